@@ -3,29 +3,40 @@
 Every kernel takes q [B, Tq, N, H], k and v [B, Tk, K, H] (N a multiple of K: grouped-query attention), the
 segment ids and positions of queries and keys, and returns out [B, Tq, N, H] in q's dtype, masked by
 `mask.visible`. A query that sees no key (padding) gets zeros.
+
+Kernels that can also run chunk by chunk (`Blockwise` pieces: init, forward, finish, backward) can sit under the
+ring and USP, which feed them one chunk of keys per hop; the others serve all_gather and ulysses only.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
 from maxctx.attention import mask
+from maxctx.attention.blockwise import Blockwise, attend_fn
 
 Kernel = Callable[..., jax.Array]
-KERNELS: dict[str, Kernel] = {}
 
 
-def register(name: str):
-  def wrap(fn):
-    KERNELS[name] = fn
-    return fn
-  return wrap
+@dataclasses.dataclass(frozen=True)
+class KernelSpec:
+  """How to make a kernel for given block sizes, whether it runs chunk by chunk, and where it runs."""
+  make: Callable[[int | None, int | None], Kernel]
+  parts: Callable[[int | None, int | None], Blockwise] | None = None
+  platforms: tuple[str, ...] | None = None   # None: every backend
 
 
-@register("reference")
+KERNELS: dict[str, KernelSpec] = {}
+
+
+def register(name: str, spec: KernelSpec) -> None:
+  KERNELS[name] = spec
+
+
 def reference(q_BTNH, k_BSKH, v_BSKH, q_segment_ids, kv_segment_ids, q_positions, kv_positions):
   """Dense attention in float32: the oracle the other kernels and strategies are tested against. O(Tq·Tk) memory."""
   B, T, N, H = q_BTNH.shape
@@ -43,9 +54,19 @@ def reference(q_BTNH, k_BSKH, v_BSKH, q_segment_ids, kv_segment_ids, q_positions
   return out_BTKGH.reshape(B, T, N, H).astype(q_BTNH.dtype)
 
 
+# Under the ring the reference runs as one float32 tile per chunk pair: dense numerics, chunk-wise composition.
+_WHOLE = 2**31 - 1
+register("reference", KernelSpec(make=lambda bq, bk: reference,
+                                 parts=lambda bq, bk: Blockwise(_WHOLE, _WHOLE, upcast=True)))
+register("blockwise", KernelSpec(make=lambda bq, bk: attend_fn(Blockwise(bq, bk)),
+                                 parts=lambda bq, bk: Blockwise(bq, bk)))
+
+
 def get(name: str, block_q: int | None = None, block_kv: int | None = None) -> Kernel:
   """The kernel `name` with its block sizes bound (kernels without blocks ignore them)."""
-  fn = KERNELS[name]
-  if name == "reference":
-    return fn
-  return lambda *args: fn(*args, block_q=block_q, block_kv=block_kv)
+  return KERNELS[name].make(block_q, block_kv)
+
+
+def parts(name: str, block_q: int | None = None, block_kv: int | None = None) -> Blockwise:
+  """The chunk-wise pieces of kernel `name`, for the ring and USP (validate refuses kernels without them)."""
+  return KERNELS[name].parts(block_q, block_kv)
