@@ -25,6 +25,8 @@ RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("act_mlp", ("tensor",)),
     ("act_vocab", ("tensor",)),
     ("act_head_dim", ()),
+    ("act_norm", ()),
+    ("act_layers", ()),
     # Parameters.
     ("embed", ("fsdp", "context")),
     ("vocab", ("tensor",)),
@@ -69,6 +71,17 @@ def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
   if mesh.empty:
     return x
   return jax.lax.with_sharding_constraint(x, logical_to_spec(logical, x.shape, dict(mesh.shape)))
+
+
+def shards(logical: str) -> int:
+  """How many ways the current mesh (`jax.set_mesh`) splits a dimension named `logical`; 1 without a mesh."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return 1
+  n = 1
+  for axis in _RULES.get(logical, ()):
+    n *= dict(mesh.shape).get(axis, 1)
+  return n
 
 
 def tree_shardings(mesh: Mesh, abstract_tree: Any) -> Any:

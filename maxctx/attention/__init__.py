@@ -12,7 +12,11 @@ from __future__ import annotations
 
 from jax.sharding import Mesh
 
-from maxctx.attention import all_gather as _all_gather  # noqa: F401  (registers the strategy)
+# Importing a strategy's module registers it.
+from maxctx.attention import all_gather as _all_gather  # noqa: F401
+from maxctx.attention import ring as _ring  # noqa: F401
+from maxctx.attention import ulysses as _ulysses  # noqa: F401
+from maxctx.attention import usp as _usp  # noqa: F401
 from maxctx.attention import kernels
 from maxctx.attention.registry import STRATEGIES, AttentionFn, Problem, Strategy, get
 

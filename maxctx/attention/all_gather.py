@@ -1,12 +1,12 @@
 """all_gather: every device all-gathers the whole K/V (with segment ids and positions) over the context axis and
-attends its local queries to it. Simple and fast at modest lengths; K/V memory is O(T) per device."""
+attends its local queries to it. Simple and fast at modest lengths; K/V memory is O(T) per device, and with the
+blockwise kernel nothing larger than a score tile is held. The backward (by autodiff) reduce-scatters dK/dV."""
 
 from __future__ import annotations
 
 import functools
 
 import jax
-from jax.sharding import PartitionSpec as P
 
 from maxctx import sharding
 from maxctx.attention import kernels
@@ -19,16 +19,11 @@ class AllGather(Strategy):
 
   def build(self, mesh, *, kernel, load_balance, ulysses_degree, block_q, block_kv):
     local = kernels.get(kernel, block_q, block_kv)
-    ctx = sharding.SEQ_AXIS
-    tokens = P(sharding.BATCH_AXES, ctx)
-    heads = P(sharding.BATCH_AXES, ctx, sharding.HEAD_AXIS, None)
 
-    @functools.partial(jax.shard_map, mesh=mesh, in_specs=(heads, heads, heads, tokens, tokens),
-                       out_specs=heads, check_vma=False)
     def attend(q, k, v, segment_ids, positions):
       with jax.named_scope("all_gather_kv"):
-        gather = functools.partial(jax.lax.all_gather, axis_name=ctx, axis=1, tiled=True)
+        gather = functools.partial(jax.lax.all_gather, axis_name=sharding.SEQ_AXIS, axis=1, tiled=True)
         k_all, v_all, seg_all, pos_all = gather(k), gather(v), gather(segment_ids), gather(positions)
       return local(q, k_all, v_all, segment_ids, seg_all, positions, pos_all)
 
-    return attend
+    return self.shard(mesh, attend)

@@ -8,8 +8,9 @@ import difflib
 from typing import Callable, ClassVar
 
 import jax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, PartitionSpec as P
 
+from maxctx import sharding
 from maxctx.attention import kernels
 from maxctx.errors import ConfigError
 
@@ -30,10 +31,12 @@ class Problem:
   ulysses_degree: int | None = None
   block_q: int | None = None
   block_kv: int | None = None
+  platform: str | None = None   # backend that will run it ("cpu", "gpu", "tpu"); None: the default backend
 
 
 class Strategy:
   name: ClassVar[str]
+  uses_ulysses_degree: ClassVar[bool] = False
 
   def validate(self, p: Problem) -> None:
     """Raises ConfigError (one sentence) if this strategy cannot run `p`. Subclasses extend the shared checks."""
@@ -41,6 +44,20 @@ class Strategy:
       close = difflib.get_close_matches(p.kernel, list(kernels.KERNELS), n=1)
       hint = f"did you mean {close[0]!r}?" if close else f"choose one of {', '.join(sorted(kernels.KERNELS))}."
       raise ConfigError(f"attention.kernel {p.kernel!r} is not a known kernel; {hint}")
+    platforms = kernels.KERNELS[p.kernel].platforms
+    platform = p.platform or jax.default_backend()
+    if platforms is not None and platform not in platforms:
+      raise ConfigError(f"attention.kernel {p.kernel!r} runs only on {' or '.join(platforms)}, not on {platform}; "
+                        "use attention.kernel=blockwise there.")
+    if p.n_heads % p.n_kv_heads:
+      raise ConfigError(f"model n_heads {p.n_heads} is not a multiple of n_kv_heads {p.n_kv_heads}; "
+                        "grouped-query attention needs whole groups.")
+    if p.n_heads % p.tensor or p.n_kv_heads % p.tensor:
+      raise ConfigError(f"the tensor axis ({p.tensor}) must divide both n_heads {p.n_heads} and n_kv_heads "
+                        f"{p.n_kv_heads}, since attention shards heads over it; choose a smaller mesh tensor size.")
+    if p.ulysses_degree is not None and not self.uses_ulysses_degree:
+      raise ConfigError(f"attention.ulysses_degree={p.ulysses_degree} is read only by usp, not by {self.name}; "
+                        "remove it or set attention.strategy=usp.")
     chunks = 2 * p.context if p.load_balance else p.context
     if p.seq_len % chunks:
       what = f"2 × context = {chunks} (zigzag load balancing)" if p.load_balance else f"the context degree {chunks}"
@@ -49,6 +66,22 @@ class Strategy:
   def build(self, mesh: Mesh, *, kernel: str, load_balance: bool, ulysses_degree: int | None,
             block_q: int | None, block_kv: int | None) -> AttentionFn:
     raise NotImplementedError
+
+
+  @staticmethod
+  def shard(mesh: Mesh, per_device: Callable) -> AttentionFn:
+    """`per_device(q, k, v, segment_ids, positions)` on each device's block of the contract's global arrays."""
+    tokens = P(sharding.BATCH_AXES, sharding.SEQ_AXIS)
+    heads = P(sharding.BATCH_AXES, sharding.SEQ_AXIS, sharding.HEAD_AXIS, None)
+    return jax.shard_map(per_device, mesh=mesh, in_specs=(heads, heads, heads, tokens, tokens), out_specs=heads,
+                         check_vma=False)
+
+  @staticmethod
+  def require_chunked(p: Problem, name: str) -> None:
+    if kernels.KERNELS[p.kernel].parts is None:
+      chunked = sorted(k for k, spec in kernels.KERNELS.items() if spec.parts is not None)
+      raise ConfigError(f"attention.strategy {name} feeds the kernel one chunk of keys at a time, which "
+                        f"attention.kernel {p.kernel!r} cannot do; use one of {', '.join(chunked)}.")
 
 
 STRATEGIES: dict[str, Strategy] = {}

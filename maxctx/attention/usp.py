@@ -1,0 +1,53 @@
+"""usp (unified sequence parallelism): the context axis of P devices is cut into R = P / U groups of U adjacent
+devices. Inside a group an all-to-all (ulysses) moves from token to head sharding; across groups the K/V of the
+group's U·T/P tokens travel a ring of R hops (ppermute to the same member of the next group). Fewer, larger ring
+hops than `ring`; smaller all-to-alls than `ulysses`, which keeps them on the fast links of adjacent devices.
+
+`attention.ulysses_degree` is U; null picks the largest U that divides both the context degree and the KV heads per
+tensor shard (no KV replication needed). U = 1 is the ring, U = P is ulysses.
+"""
+
+from __future__ import annotations
+
+import math
+
+from maxctx import sharding
+from maxctx.attention import kernels
+from maxctx.attention.registry import Strategy, register
+from maxctx.attention.ring import ring_attention
+from maxctx.attention.ulysses import check_heads, heads_first
+from maxctx.errors import ConfigError
+
+
+def default_degree(context: int, kv_heads_local: int) -> int:
+  return math.gcd(context, kv_heads_local)
+
+
+@register
+class USP(Strategy):
+  name = "usp"
+  uses_ulysses_degree = True
+
+  def validate(self, p):
+    super().validate(p)
+    self.require_chunked(p, self.name)
+    degree = p.ulysses_degree or default_degree(p.context, p.n_kv_heads // p.tensor)
+    if degree < 1 or p.context % degree:
+      raise ConfigError(f"attention.ulysses_degree {degree} does not divide the context degree {p.context}; "
+                        f"choose a divisor of {p.context}.")
+    check_heads(p, degree, self.name, "choose a smaller attention.ulysses_degree.")
+
+  def build(self, mesh, *, kernel, load_balance, ulysses_degree, block_q, block_kv):
+    context = mesh.shape[sharding.SEQ_AXIS]
+    parts = kernels.parts(kernel, block_q, block_kv)
+
+    def per_device(q, k, v, segment_ids, positions):
+      degree = ulysses_degree or default_degree(context, k.shape[2])
+      hops = context // degree
+      groups = [list(range(g * degree, (g + 1) * degree)) for g in range(hops)]
+      # Member u of group g sends to member u of group g + 1.
+      perm = [(g * degree + u, (g + 1) % hops * degree + u) for g in range(hops) for u in range(degree)]
+      ring = ring_attention(parts, sharding.SEQ_AXIS, perm, hops)
+      return heads_first(sharding.SEQ_AXIS, groups, degree, ring)(q, k, v, segment_ids, positions)
+
+    return self.shard(mesh, per_device)

@@ -1,0 +1,121 @@
+"""Model FLOPs, MFU, and the two places metrics go: TensorBoard and one console line per step.
+
+MFU = model FLOPs per step / (step time × peak FLOP/s of all devices). Model FLOPs are analytic (design.md):
+6 × matmul weights per token, plus causal attention, half of 4·B·T²·N·H per layer, × 3 for forward and backward.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import pathlib
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from maxctx.config import ModelConfig
+
+log = logging.getLogger("maxctx")
+
+# Dense bf16 peak TFLOP/s per JAX device, by a substring of `device.device_kind` (first match wins).
+# TPU v7 (Ironwood) has 2,307 per chip and two devices per chip; v4 and v5p present one device per chip (megacore).
+PEAK_TFLOPS_PER_DEVICE: tuple[tuple[str, float], ...] = (
+    ("TPU7x", 2307.0 / 2),
+    ("TPU v7", 2307.0 / 2),
+    ("TPU v6 lite", 918.0),
+    ("TPU v6e", 918.0),
+    ("TPU v5 lite", 197.0),
+    ("TPU v5e", 197.0),
+    ("TPU v5p", 459.0),
+    ("TPU v5", 459.0),
+    ("TPU v4", 275.0),
+    ("H200", 989.0),
+    ("H100", 989.0),
+    ("B200", 2250.0),
+    ("A100", 312.0),
+)
+
+
+def matmul_params(cfg: ModelConfig) -> int:
+  """Weights that take part in a matmul per token: every projection and the head (not the embedding lookup)."""
+  attn = cfg.d_model * cfg.head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
+  mlp = 3 * cfg.d_model * cfg.d_ff
+  return cfg.n_layers * (attn + mlp) + cfg.d_model * cfg.vocab_size
+
+
+def param_count(cfg: ModelConfig) -> int:
+  norms = (2 * cfg.n_layers + 1) * cfg.d_model
+  return matmul_params(cfg) + cfg.vocab_size * cfg.d_model + norms
+
+
+def flops_per_step(cfg: ModelConfig, batch_size: int, seq_len: int) -> float:
+  """Analytic training FLOPs of one optimizer step over batch_size sequences of seq_len tokens."""
+  weights = 6.0 * matmul_params(cfg) * batch_size * seq_len
+  attention = cfg.n_layers * 3 * (4.0 * batch_size * seq_len**2 * cfg.n_heads * cfg.head_dim / 2)
+  return weights + attention
+
+
+def measured_cpu_peak_tflops(dtype=jnp.float32, n: int = 1024, reps: int = 5) -> float:
+  """Per-device matmul TFLOP/s measured with every local device busy at once (fake CPU devices share cores)."""
+  devices = jax.local_devices()
+  mesh = jax.sharding.Mesh(np.asarray(devices), ("d",))
+  sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d"))
+  x = jax.device_put(jnp.ones((len(devices), n, n), dtype), sharding)
+  f = jax.jit(lambda a: jnp.einsum("bij,bjk->bik", a, a), out_shardings=sharding)
+  f(x).block_until_ready()
+  best = math.inf
+  for _ in range(reps):
+    t = time.perf_counter()
+    f(x).block_until_ready()
+    best = min(best, time.perf_counter() - t)
+  return 2.0 * n**3 / best / 1e12
+
+
+def peak_tflops_per_device(override: float = 0.0, compute_dtype=jnp.bfloat16) -> tuple[float, str]:
+  """(peak, where it came from): the override, the device table, or a measurement on CPU."""
+  if override > 0:
+    return override, "metrics.peak_tflops"
+  kind = jax.devices()[0].device_kind
+  for key, peak in PEAK_TFLOPS_PER_DEVICE:
+    if key.lower() in kind.lower():
+      return peak, f"table ({kind})"
+  if jax.default_backend() == "cpu":
+    return measured_cpu_peak_tflops(compute_dtype), "measured matmul on this CPU"
+  log.warning("no peak FLOP/s known for device kind %r; MFU is reported as 0 (set metrics.peak_tflops).", kind)
+  return 0.0, f"unknown ({kind})"
+
+
+class Writer:
+  """TensorBoard scalars (process 0 only) and a console progress line."""
+
+  def __init__(self, logdir: pathlib.Path | None, total_steps: int):
+    self.total_steps = total_steps
+    self._tb = None
+    if logdir is not None and jax.process_index() == 0:
+      from tensorboardX import SummaryWriter
+      self._tb = SummaryWriter(str(logdir), flush_secs=10)
+    self._start = time.time()
+
+  def scalars(self, step: int, values: dict[str, float]) -> None:
+    if self._tb is not None:
+      for k, v in values.items():
+        self._tb.add_scalar(k, v, step)
+
+  def console(self, step: int, values: dict[str, float], eta_s: float | None) -> None:
+    eta = "" if eta_s is None else f" | ETA {_duration(eta_s)}"
+    log.info("step %d/%d | loss %.4f | %s tok/s | MFU %.1f%% | step %.3fs | lr %.2e | grad norm %.3f%s",
+             step, self.total_steps, values["loss"], f"{values['tokens_per_sec']:,.0f}", 100 * values["mfu"],
+             values["step_time"], values["learning_rate"], values["grad_norm"], eta)
+
+  def close(self) -> None:
+    if self._tb is not None:
+      self._tb.close()
+
+
+def _duration(seconds: float) -> str:
+  seconds = int(seconds)
+  h, rem = divmod(seconds, 3600)
+  m, s = divmod(rem, 60)
+  return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"

@@ -1,0 +1,156 @@
+"""The Llama 3.1 decoder.
+
+Dimension letters, used in names and einsums:
+  B batch   T tokens (sequence)   D model width   N query heads   K key/value heads   H head dim
+  F MLP width   V vocabulary   L layers   C loss chunk   S loss steps
+
+Parameters are float32 and computed in `ModelConfig.dtype`. Every parameter and activation is annotated with logical
+axis names (maxctx.sharding maps them to the mesh). Attention goes through `attention_fn`, built by
+maxctx.attention for the run's context-parallel strategy; without one the dense reference kernel runs.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import flax.linen as nn
+import jax
+from jax.ad_checkpoint import checkpoint_name
+import jax.numpy as jnp
+
+from maxctx.attention import kernels
+from maxctx.config import ModelConfig
+from maxctx.model import loss as loss_lib
+from maxctx.model import rope
+from maxctx.sharding import constrain
+
+REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "save_attention_out": jax.checkpoint_policies.save_only_these_names("attn_out"),
+}
+
+
+def _dtype(name: str):
+  return jnp.dtype(name)
+
+
+def reference_attention(q, k, v, segment_ids, positions):
+  return kernels.reference(q, k, v, segment_ids, segment_ids, positions, positions)
+
+
+class RMSNorm(nn.Module):
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, x_BTD):
+    scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
+                       (x_BTD.shape[-1],), _dtype(self.cfg.param_dtype))
+    x = x_BTD.astype(jnp.float32)
+    x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.cfg.norm_eps)
+    return (x * scale.astype(jnp.float32)).astype(_dtype(self.cfg.dtype))
+
+
+def _weight(module: nn.Module, name: str, shape, names, std: float):
+  """A parameter, cast to the compute dtype and gathered for use: its fsdp/context shards are all-gathered (after
+  the cast, so half the bytes move in bf16) while its tensor sharding stays."""
+  w = module.param(name, nn.with_logical_partitioning(nn.initializers.normal(std), names), shape,
+                   _dtype(module.cfg.param_dtype))
+  return constrain(w.astype(_dtype(module.cfg.dtype)), tuple("act_" + n for n in names))
+
+
+class Attention(nn.Module):
+  cfg: ModelConfig
+  attention_fn: Callable
+
+  @nn.compact
+  def __call__(self, x_BTD, cos_BTF, sin_BTF, segment_ids, positions):
+    c = self.cfg
+    wq = _weight(self, "wq", (c.d_model, c.n_heads, c.head_dim), ("embed", "heads", "head_dim"), c.init_std)
+    wk = _weight(self, "wk", (c.d_model, c.n_kv_heads, c.head_dim), ("embed", "kv_heads", "head_dim"), c.init_std)
+    wv = _weight(self, "wv", (c.d_model, c.n_kv_heads, c.head_dim), ("embed", "kv_heads", "head_dim"), c.init_std)
+    wo = _weight(self, "wo", (c.n_heads, c.head_dim, c.d_model), ("heads", "head_dim", "embed"), c.init_std)
+    with jax.named_scope("qkv"):
+      q_BTNH = rope.apply(jnp.einsum("btd,dnh->btnh", x_BTD, wq), cos_BTF, sin_BTF)
+      k_BTKH = rope.apply(jnp.einsum("btd,dkh->btkh", x_BTD, wk), cos_BTF, sin_BTF)
+      v_BTKH = jnp.einsum("btd,dkh->btkh", x_BTD, wv)
+      q_BTNH = constrain(q_BTNH, ("batch", "seq", "act_heads", "act_head_dim"))
+      k_BTKH = constrain(k_BTKH, ("batch", "seq", "act_kv_heads", "act_head_dim"))
+      v_BTKH = constrain(v_BTKH, ("batch", "seq", "act_kv_heads", "act_head_dim"))
+    with jax.named_scope("attention"):
+      out_BTNH = self.attention_fn(q_BTNH, k_BTKH, v_BTKH, segment_ids, positions)
+      out_BTNH = checkpoint_name(out_BTNH, "attn_out")
+    with jax.named_scope("out_proj"):
+      return constrain(jnp.einsum("btnh,nhd->btd", out_BTNH, wo), ("batch", "seq", "act_embed"))
+
+
+class MLP(nn.Module):
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, x_BTD):
+    c = self.cfg
+    w_gate = _weight(self, "w_gate", (c.d_model, c.d_ff), ("embed", "mlp"), c.init_std)
+    w_up = _weight(self, "w_up", (c.d_model, c.d_ff), ("embed", "mlp"), c.init_std)
+    w_down = _weight(self, "w_down", (c.d_ff, c.d_model), ("mlp", "embed"), c.init_std)
+    gate_BTF = constrain(jnp.einsum("btd,df->btf", x_BTD, w_gate), ("batch", "seq", "act_mlp"))
+    up_BTF = constrain(jnp.einsum("btd,df->btf", x_BTD, w_up), ("batch", "seq", "act_mlp"))
+    return constrain(jnp.einsum("btf,fd->btd", nn.silu(gate_BTF) * up_BTF, w_down), ("batch", "seq", "act_embed"))
+
+
+class Block(nn.Module):
+  cfg: ModelConfig
+  attention_fn: Callable
+
+  @nn.compact
+  def __call__(self, x_BTD, cos_BTF, sin_BTF, segment_ids, positions):
+    with jax.named_scope("attention_block"):
+      h = Attention(self.cfg, self.attention_fn, name="attn")(RMSNorm(self.cfg, name="attn_norm")(x_BTD),
+                                                               cos_BTF, sin_BTF, segment_ids, positions)
+      x_BTD = x_BTD + h
+    with jax.named_scope("mlp_block"):
+      x_BTD = x_BTD + MLP(self.cfg, name="mlp")(RMSNorm(self.cfg, name="mlp_norm")(x_BTD))
+    return x_BTD, None
+
+
+class Transformer(nn.Module):
+  """tokens → final hidden states; with targets, the summed token loss and token count instead of logits."""
+  cfg: ModelConfig
+  attention_fn: Callable | None = None
+  loss_chunk_tokens: int | None = None  # global tokens of a sequence per loss step; default model.loss_chunk × CP
+
+  @nn.compact
+  def __call__(self, tokens_BT, segment_ids_BT, positions_BT, targets_BT=None):
+    c = self.cfg
+    attention_fn = self.attention_fn or reference_attention
+    embedding = self.param("embedding", nn.with_logical_partitioning(nn.initializers.normal(c.init_std), ("vocab", "embed")),
+                           (c.vocab_size, c.d_model), _dtype(c.param_dtype))
+    with jax.named_scope("embed"):
+      table_VD = constrain(embedding.astype(_dtype(c.dtype)), ("act_vocab", "act_embed"))
+      x_BTD = constrain(jnp.take(table_VD, tokens_BT, axis=0), ("batch", "seq", "act_embed"))
+    with jax.named_scope("rope"):
+      inv_freq = rope.inv_frequencies(c.head_dim, c.rope_theta, c.rope_scaling, c.rope_factor,
+                                      c.rope_low_freq_factor, c.rope_high_freq_factor, c.rope_original_context)
+      cos_BTF, sin_BTF = rope.cos_sin(positions_BT, inv_freq, tokens_BT.shape[1] - 1)
+
+    block = Block
+    if c.remat != "none":
+      block = nn.remat(Block, policy=REMAT_POLICIES[c.remat], prevent_cse=not c.scan_layers)
+    if c.scan_layers:
+      stack = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
+                      in_axes=(nn.broadcast,) * 4, length=c.n_layers,
+                      metadata_params={nn.PARTITION_NAME: "layers"})
+      x_BTD, _ = stack(c, attention_fn, name="layers")(x_BTD, cos_BTF, sin_BTF, segment_ids_BT, positions_BT)
+    else:
+      for i in range(c.n_layers):
+        x_BTD, _ = block(c, attention_fn, name=f"layers_{i}")(x_BTD, cos_BTF, sin_BTF, segment_ids_BT, positions_BT)
+
+    x_BTD = RMSNorm(c, name="final_norm")(x_BTD)
+    w_DV = _weight(self, "lm_head", (c.d_model, c.vocab_size), ("embed", "vocab"), c.init_std)
+    if targets_BT is None:
+      with jax.named_scope("logits"):
+        return jnp.einsum("btd,dv->btv", x_BTD, w_DV, preferred_element_type=jnp.float32)
+    with jax.named_scope("loss"):
+      chunk = self.loss_chunk_tokens or loss_lib.global_chunk(c.loss_chunk, tokens_BT.shape[1])
+      weights_BT = (segment_ids_BT != 0).astype(jnp.float32)
+      return loss_lib.chunked_cross_entropy(x_BTD, w_DV, targets_BT, weights_BT, chunk)

@@ -1,0 +1,31 @@
+"""AdamW with linear warm-up, cosine decay and global-norm clipping (optax)."""
+
+from __future__ import annotations
+
+import jax
+import optax
+
+from maxctx.config import OptimConfig
+
+
+def schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
+  decay = cfg.decay_steps or max(1, total_steps - cfg.warmup_steps)
+  return optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=cfg.lr, warmup_steps=cfg.warmup_steps,
+      decay_steps=cfg.warmup_steps + decay, end_value=cfg.lr * cfg.min_lr_ratio)
+
+
+def _decay_mask(params):
+  # Norm scales are not decayed: shrinking them towards zero fights the normalisation they exist for.
+  def keep(path, _):
+    return not any(getattr(p, "key", None) in ("scale",) for p in path)
+  return jax.tree_util.tree_map_with_path(keep, params)
+
+
+def build(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
+  parts = []
+  if cfg.clip_norm > 0:
+    parts.append(optax.clip_by_global_norm(cfg.clip_norm))
+  parts.append(optax.adamw(schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                           weight_decay=cfg.weight_decay, mask=_decay_mask))
+  return optax.chain(*parts)
