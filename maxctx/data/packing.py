@@ -32,9 +32,9 @@ import numpy as np
 
 FIELDS = ("tokens", "targets", "segment_ids", "positions")
 
-# first_fit keeps at most this many tokens in open sequences (and never more than MAX_BINS of them): at 14M tokens a
-# round is one sequence (next fit, which wastes under one document per sequence), at 8K it is 16.
-OPEN_TOKENS = 1 << 24
+# first_fit keeps at most this many tokens in open sequences (and never more than MAX_BINS of them): at 14,680,064
+# tokens a round is 4 sequences (their documents, held by reference, cost 4 × 59 MB), at 8K it is 16.
+OPEN_TOKENS = 1 << 26
 MAX_BINS = 16
 
 
@@ -45,20 +45,23 @@ def default_bins(seq_len: int) -> int:
 def write_sequence(pieces: list[np.ndarray], seq_len: int) -> dict[str, np.ndarray]:
   """One packed sequence from pieces, each a document view of n+1 tokens holding n pairs."""
   out = np.zeros((4, seq_len), np.int32)
-  lengths = np.fromiter((len(p) - 1 for p in pieces), np.int64, len(pieces))
-  total = int(lengths.sum())
+  tokens, targets, segment_ids, positions = out
+  starts = np.empty(len(pieces), np.int64)
   t = 0
-  tokens, targets = out[0], out[1]
-  for p in pieces:
+  for i, p in enumerate(pieces):
     n = len(p) - 1
     tokens[t:t + n] = p[:-1]
     targets[t:t + n] = p[1:]
+    starts[i] = t
     t += n
-  # Segment ids and positions for all pieces at once: per-piece loops would cost more than the copies at ~1K tokens
-  # per document.
-  out[2, :total] = np.repeat(np.arange(1, len(pieces) + 1, dtype=np.int32), lengths)
-  starts = np.repeat((np.cumsum(lengths) - lengths).astype(np.int32), lengths)
-  np.subtract(np.arange(total, dtype=np.int32), starts, out=out[3, :total])
+  # Segment ids and positions as running sums of a sparse pattern, in place: per-piece fills cost too much at ~100
+  # tokens per document, and np.repeat/arange would allocate three more sequence-sized temporaries.
+  segment_ids[starts] = 1
+  np.add.accumulate(segment_ids[:t], out=segment_ids[:t])
+  positions[:t] = 1
+  positions[starts[1:]] = 1 - np.diff(starts).astype(np.int32)
+  positions[0] = 0
+  np.add.accumulate(positions[:t], out=positions[:t])
   return dict(zip(FIELDS, out))
 
 
@@ -82,8 +85,9 @@ class _PackIterator(grain.DatasetIterator):
     """Pairs in the next piece (reading documents as needed); 0 when the parent is exhausted."""
     while True:
       if self._doc is not None:
-        left = len(self._doc) - 1 - self._offset
-        if left > 0 and not (self._truncate and self._offset > 0):
+        pairs = len(self._doc) - 1
+        left = (min(pairs, self._seq_len) if self._truncate else pairs) - self._offset
+        if left > 0:
           return min(left, self._seq_len)
         self._doc = None
       if self._exhausted:
@@ -109,6 +113,8 @@ class _PackIterator(grain.DatasetIterator):
       room = self._seq_len
       pieces: list[np.ndarray] = []
       while room and (n := self._peek()):
+        if not pieces:
+          self._round_start = (self._doc_state, self._offset)
         pieces.append(self._take(min(n, room)))
         room -= len(pieces[-1]) - 1
       bins = [pieces] if pieces else []
