@@ -99,12 +99,13 @@ class Blockwise:
       carry = (jax.lax.dynamic_slice_in_dim(acc, i * bq, bq, axis=3),
                jax.lax.dynamic_slice_in_dim(mx, i * bq, bq, axis=3),
                jax.lax.dynamic_slice_in_dim(den, i * bq, bq, axis=3))
+      # The cond carries one tile's state only: a cond over the whole state would copy it.
       carry = jax.lax.fori_loop(
           0, S // bk, lambda j, c: jax.lax.cond(skip_QS[i, j], lambda c: c, functools.partial(tile, i, j), c), carry)
       return tuple(jax.lax.dynamic_update_slice_in_dim(full, part, i * bq, axis=3) for full, part in zip(state, carry))
 
     with jax.named_scope("blockwise_fwd"):
-      return jax.lax.fori_loop(0, T // bq, q_block, state)
+      return jax.lax.fori_loop(0, _trips(skip_QS, T // bq), q_block, state)
 
   def finish(self, state, dtype):
     """(out [B, T, N, H] in `dtype`, lse in the kernel's layout). Rows that saw no key give zeros and lse -inf."""
@@ -122,8 +123,10 @@ class Blockwise:
     B, T, N = d_BTN.shape
     return jnp.transpose(d_BTN.reshape(B, T, kv_heads, N // kv_heads), (0, 2, 3, 1))
 
-  def backward(self, q_BTNH, k_BSKH, v_BSKH, q_seg, kv_seg, q_pos, kv_pos, lse_BKGT, delta_BKGT, dout_BTNH):
-    """float32 (dq, dk, dv) of this chunk of keys, given the final lse and delta of the queries."""
+  def backward(self, q_BTNH, k_BSKH, v_BSKH, q_seg, kv_seg, q_pos, kv_pos, lse_BKGT, delta_BKGT, dout_BTNH,
+               grads=None):
+    """float32 (dq, dk, dv) of this chunk of keys, given the final lse and delta of the queries, added to `grads`
+    (float32 accumulators shaped like q, k, v, updated in place) when given."""
     q_BTNH, k_BSKH, v_BSKH, dout_BTNH = self._cast(q_BTNH, k_BSKH, v_BSKH, dout_BTNH)
     B, T, N, H = q_BTNH.shape
     S, K = k_BSKH.shape[1], k_BSKH.shape[2]
@@ -134,8 +137,7 @@ class Blockwise:
     lse_BKGT = jnp.where(jnp.isneginf(lse_BKGT), 0.0, lse_BKGT)
     skip_QS = mask.hidden(mask.summarize(q_seg, q_pos, bq), mask.summarize(kv_seg, kv_pos, bk))
 
-    def tile(i, j, carry):
-      dq_BTKGH, dk_BSKH, dv_BSKH = carry
+    def tile(i, j):
       q_BQKGH = jax.lax.dynamic_slice_in_dim(q_BTKGH, i * bq, bq, axis=1)
       do_BQKGH = jax.lax.dynamic_slice_in_dim(do_BTKGH, i * bq, bq, axis=1)
       lse_BKGQ = jax.lax.dynamic_slice_in_dim(lse_BKGT, i * bq, bq, axis=3)
@@ -148,29 +150,44 @@ class Blockwise:
                              jax.lax.dynamic_slice_in_dim(kv_pos, j * bk, bk, axis=1))
       s_BKGQS = jnp.einsum("bqkgh,bskh->bkgqs", q_BQKGH, k_BSKH_j, preferred_element_type=_F32) * scale
       p_BKGQS = jnp.where(vis_BQS[:, None, None], jnp.exp(s_BKGQS - lse_BKGQ[..., None]), 0.0)
-      dv_BSKH = dv_BSKH + jnp.einsum("bkgqs,bqkgh->bskh", p_BKGQS.astype(do_BQKGH.dtype), do_BQKGH,
-                                     preferred_element_type=_F32)
+      dv_BSKH = jnp.einsum("bkgqs,bqkgh->bskh", p_BKGQS.astype(do_BQKGH.dtype), do_BQKGH,
+                           preferred_element_type=_F32)
       dp_BKGQS = jnp.einsum("bqkgh,bskh->bkgqs", do_BQKGH, v_BSKH_j, preferred_element_type=_F32)
       ds_BKGQS = (p_BKGQS * (dp_BKGQS - delta_BKGQ[..., None]) * scale).astype(q_BQKGH.dtype)
-      dk_BSKH = dk_BSKH + jnp.einsum("bkgqs,bqkgh->bskh", ds_BKGQS, q_BQKGH, preferred_element_type=_F32)
+      dk_BSKH = jnp.einsum("bkgqs,bqkgh->bskh", ds_BKGQS, q_BQKGH, preferred_element_type=_F32)
       dq_BQKGH = jnp.einsum("bkgqs,bskh->bqkgh", ds_BKGQS, k_BSKH_j, preferred_element_type=_F32)
-      dq_BTKGH = jax.lax.dynamic_update_slice_in_dim(
-          dq_BTKGH, jax.lax.dynamic_slice_in_dim(dq_BTKGH, i * bq, bq, axis=1) + dq_BQKGH, i * bq, axis=1)
-      return dq_BTKGH, dk_BSKH, dv_BSKH
+      return dq_BQKGH, dk_BSKH, dv_BSKH
+
+    def add_at(full, part, start, axis=1):
+      return jax.lax.dynamic_update_slice_in_dim(
+          full, jax.lax.dynamic_slice_in_dim(full, start, part.shape[axis], axis=axis) + part, start, axis=axis)
+
+    def q_block(j, i, carry):
+      dq_BTKGH, dk_BSKH, dv_BSKH = carry
+      # The cond yields one tile's gradients; the accumulators stay outside it so nothing large is copied.
+      zeros = (jnp.zeros((B, bq, K, N // K, H), _F32), jnp.zeros((B, bk, K, H), _F32), jnp.zeros((B, bk, K, H), _F32))
+      dq_tile, dk_tile, dv_tile = jax.lax.cond(skip_QS[i, j], lambda: zeros, lambda: tile(i, j))
+      return add_at(dq_BTKGH, dq_tile, i * bq), dk_BSKH + dk_tile, dv_BSKH + dv_tile
 
     def kv_block(j, grads):
       dq_BTKGH, dk_BSKH, dv_BSKH = grads
       zeros = jnp.zeros((B, bk, K, H), _F32)
-      carry = jax.lax.fori_loop(
-          0, T // bq, lambda i, c: jax.lax.cond(skip_QS[i, j], lambda c: c, functools.partial(tile, i, j), c),
-          (dq_BTKGH, zeros, zeros))
-      return (carry[0], jax.lax.dynamic_update_slice_in_dim(dk_BSKH, carry[1], j * bk, axis=1),
-              jax.lax.dynamic_update_slice_in_dim(dv_BSKH, carry[2], j * bk, axis=1))
+      dq_BTKGH, dk_tile, dv_tile = jax.lax.fori_loop(0, T // bq, functools.partial(q_block, j),
+                                                     (dq_BTKGH, zeros, zeros))
+      return dq_BTKGH, add_at(dk_BSKH, dk_tile, j * bk), add_at(dv_BSKH, dv_tile, j * bk)
 
     with jax.named_scope("blockwise_bwd"):
-      grads = (jnp.zeros(q_BTKGH.shape, _F32), jnp.zeros((B, S, K, H), _F32), jnp.zeros((B, S, K, H), _F32))
-      dq_BTKGH, dk_BSKH, dv_BSKH = jax.lax.fori_loop(0, S // bk, kv_block, grads)
+      if grads is None:
+        grads = (jnp.zeros(q_BTNH.shape, _F32), jnp.zeros((B, S, K, H), _F32), jnp.zeros((B, S, K, H), _F32))
+      dq_BTNH, dk_BSKH, dv_BSKH = grads
+      dq_BTKGH, dk_BSKH, dv_BSKH = jax.lax.fori_loop(0, _trips(skip_QS, S // bk), kv_block,
+                                                     (_split_heads(dq_BTNH, K), dk_BSKH, dv_BSKH))
     return dq_BTKGH.reshape(B, T, N, H), dk_BSKH, dv_BSKH
+
+
+def _trips(skip_QS, n):
+  """n, or 0 when the mask hides every tile pair: a whole chunk pair is skipped without visiting its tiles."""
+  return jnp.where(jnp.all(skip_QS), 0, n)
 
 
 def attend_fn(parts: Blockwise):

@@ -2,14 +2,19 @@
 chunk it holds; P hops bring every chunk past every device.
 
 Forward: the next hop's ppermute is issued before the current chunk is computed, so XLA's async collective-permute
-overlaps the transfer with the kernel. Partial results merge through the kernel's float32 online-softmax state, so
-the ring never materialises more than one chunk of K/V beyond its own. A chunk pair the mask hides entirely
-(`mask.hidden`: causal or document boundary, read from positions and segment ids, so it holds under zigzag) is
-skipped under `lax.cond`; inside a visible pair the kernel skips hidden tiles the same way.
+overlaps the transfer with the kernel. Partial results merge through the kernel's float32 online-softmax state
+(running max and denominator), so the ring never holds more than the chunk it computes on and the one arriving.
+A chunk pair the mask hides entirely (causal or document boundary, read from positions and segment ids by
+`mask.hidden`, so it holds under zigzag) is skipped: the kernel runs zero trips over it; inside a visible pair the
+kernel skips hidden tiles the same way.
 
 Backward (`jax.custom_vjp`): the forward saves only the local q, k, v, out and lse. The backward sends K/V round the
 ring again, and with them float32 dK/dV accumulators: each device adds its contribution for the chunk it holds and
-passes the accumulator on, so after P hops every chunk's gradient arrives home complete. Memory is O(T/P).
+passes the accumulator on, so after P hops every chunk's gradient arrives home complete.
+
+Memory: the buffers in flight (K/V arriving, dK/dV leaving) and the kernel's score tiles would not shrink with P if
+all heads travelled at once, so the ring runs one pass per group of `kv_heads_per_pass` KV heads (with their query
+heads): in-flight memory is that group's, and everything else is O(T/P).
 
 `ring_attention` works on any cycle of the axis, so USP reuses it across its groups.
 """
@@ -20,27 +25,35 @@ import jax
 import jax.numpy as jnp
 
 from maxctx import sharding
-from maxctx.attention import kernels, mask
+from maxctx.attention import kernels
 from maxctx.attention.blockwise import Blockwise
 from maxctx.attention.registry import Strategy, register
+from maxctx.attention.ulysses import AllToAll
+
+KV_HEADS_PER_PASS = 1
 
 
-def ring_attention(parts: Blockwise, axis: str, perm: list[tuple[int, int]], hops: int):
+def _heads(x, start, size):
+  return jax.lax.dynamic_slice_in_dim(x, start, size, axis=2)
+
+
+def ring_attention(parts: Blockwise, axis: str, perm: list[tuple[int, int]], hops: int,
+                   all_to_all: AllToAll | None = None, kv_heads_per_pass: int = KV_HEADS_PER_PASS):
   """Per-device fn(q, k, v, segment_ids, positions) -> out: the local queries attend to the K/V of all `hops`
-  devices on the cycle `perm` of `axis` (each device's queries and K/V share its segment ids and positions)."""
+  devices on the cycle `perm` of `axis` (each device's queries and K/V share its segment ids and positions).
+
+  With `all_to_all` (USP), each pass first moves its heads from token to head sharding inside the all-to-all
+  groups, runs the ring over the groups, and moves the output back; the backward does the same with the gradients.
+  """
+  degree = all_to_all.degree if all_to_all else 1
 
   def send(x):
     return jax.lax.ppermute(x, axis, perm)
 
-  def hides(seg, pos, kv_seg, kv_pos):
-    q_summary = mask.summarize(seg, pos, seg.shape[1])
-    return mask.hidden(q_summary, mask.summarize(kv_seg, kv_pos, kv_seg.shape[1]))[0, 0]
-
-  def forward(q_BTNH, k_BTKH, v_BTKH, seg_BT, pos_BT):
+  def ring_forward(q_BTNH, k_BTKH, v_BTKH, seg_BT, pos_BT):
     def visit(state, kv):
       k, v, kv_seg, kv_pos = kv
-      return jax.lax.cond(hides(seg_BT, pos_BT, kv_seg, kv_pos), lambda s: s,
-                          lambda s: parts.forward(s, q_BTNH, k, v, seg_BT, kv_seg, pos_BT, kv_pos), state)
+      return parts.forward(state, q_BTNH, k, v, seg_BT, kv_seg, pos_BT, kv_pos)
 
     def hop(carry, _):
       state, kv = carry
@@ -48,48 +61,94 @@ def ring_attention(parts: Blockwise, axis: str, perm: list[tuple[int, int]], hop
         incoming = send(kv)   # issued before the compute on `kv` so the transfer overlaps it
       return (visit(state, kv), incoming), None
 
-    with jax.named_scope("ring_fwd"):
-      kv = (k_BTKH, v_BTKH, seg_BT, pos_BT)
-      state = parts.init(q_BTNH, k_BTKH.shape[2])
-      (state, kv), _ = jax.lax.scan(hop, (state, kv), length=hops - 1)
-      return parts.finish(visit(state, kv), q_BTNH.dtype)
+    kv = (k_BTKH, v_BTKH, seg_BT, pos_BT)
+    state = parts.init(q_BTNH, k_BTKH.shape[2])
+    (state, kv), _ = jax.lax.scan(hop, (state, kv), length=hops - 1)
+    return parts.finish(visit(state, kv), q_BTNH.dtype)
+
+  def ring_backward(q_BTNH, k_BTKH, v_BTKH, seg_BT, pos_BT, out_BTNH, lse, dout_BTNH):
+    delta = parts.delta(out_BTNH, dout_BTNH, k_BTKH.shape[2])
+
+    def hop(carry, _):
+      dq, kv, dkv = carry
+      with jax.named_scope("ring_ppermute_kv"):
+        incoming = send(kv)
+      k, v, kv_seg, kv_pos = kv
+      dq, dk, dv = parts.backward(q_BTNH, k, v, seg_BT, kv_seg, pos_BT, kv_pos, lse, delta, dout_BTNH,
+                                  grads=(dq, *dkv))
+      with jax.named_scope("ring_ppermute_dkv"):
+        # The accumulators travel with their chunk; this hop overlaps the next chunk's compute.
+        dkv = send((dk, dv))
+      return (dq, incoming, dkv), None
+
+    kv = (k_BTKH, v_BTKH, seg_BT, pos_BT)
+    dkv = (jnp.zeros(k_BTKH.shape, jnp.float32), jnp.zeros(v_BTKH.shape, jnp.float32))
+    carry = (jnp.zeros(q_BTNH.shape, jnp.float32), kv, dkv)
+    (dq, kv, dkv), _ = jax.lax.scan(hop, carry, length=hops - 1)
+    (dq, _, (dk, dv)), _ = hop((dq, kv, dkv), None)   # the last hop's K/V send is dead code, dropped by XLA
+    return dq, dk, dv
+
+  def plan(q_BTNH, k_BTKH):
+    """(passes, KV heads per pass, query heads per KV head): the fewest KV heads per pass that is at least
+    `kv_heads_per_pass` and whose query heads the all-to-all degree splits."""
+    N, K = q_BTNH.shape[2], k_BTKH.shape[2]
+    G = N // K
+    per = next(d for d in range(1, K + 1) if K % d == 0 and d * G % degree == 0 and d >= min(kv_heads_per_pass, K))
+    return K // per, per, G
+
+  def forward(q_BTNH, k_BTKH, v_BTKH, seg_BT, pos_BT):
+    n, per, G = plan(q_BTNH, k_BTKH)
+    ring_seg, ring_pos = (seg_BT, pos_BT) if all_to_all is None else all_to_all.gather((seg_BT, pos_BT))
+
+    def one(i, carry):
+      out_BTNH, lse_all = carry
+      q, k, v = _heads(q_BTNH, i * per * G, per * G), _heads(k_BTKH, i * per, per), _heads(v_BTKH, i * per, per)
+      if all_to_all is not None:
+        q, k, v = all_to_all.to_heads(q, *all_to_all.replicate(k, v))
+      out, lse = ring_forward(q, k, v, ring_seg, ring_pos)
+      if all_to_all is not None:
+        out = all_to_all.to_tokens(out)
+      return (jax.lax.dynamic_update_slice_in_dim(out_BTNH, out, i * per * G, axis=2),
+              jax.lax.dynamic_update_index_in_dim(lse_all, lse, i, axis=0))
+
+    q0, k0, v0 = _heads(q_BTNH, 0, per * G), _heads(k_BTKH, 0, per), _heads(v_BTKH, 0, per)
+    if all_to_all is not None:
+      q0, k0, v0 = jax.eval_shape(lambda q, k, v: all_to_all.to_heads(q, *all_to_all.replicate(k, v)), q0, k0, v0)
+    lse0 = jax.eval_shape(ring_forward, q0, k0, v0, ring_seg, ring_pos)[1]
+    carry = (jnp.zeros(q_BTNH.shape, q_BTNH.dtype), jnp.zeros((n, *lse0.shape), lse0.dtype))
+    return jax.lax.fori_loop(0, n, one, carry)
 
   @jax.custom_vjp
   def attend(q_BTNH, k_BTKH, v_BTKH, seg_BT, pos_BT):
     return forward(q_BTNH, k_BTKH, v_BTKH, seg_BT, pos_BT)[0]
 
   def attend_fwd(q_BTNH, k_BTKH, v_BTKH, seg_BT, pos_BT):
-    out_BTNH, lse = forward(q_BTNH, k_BTKH, v_BTKH, seg_BT, pos_BT)
+    with jax.named_scope("ring_fwd"):
+      out_BTNH, lse = forward(q_BTNH, k_BTKH, v_BTKH, seg_BT, pos_BT)
     return out_BTNH, (q_BTNH, k_BTKH, v_BTKH, seg_BT, pos_BT, out_BTNH, lse)
 
   def attend_bwd(res, dout_BTNH):
-    q_BTNH, k_BTKH, v_BTKH, seg_BT, pos_BT, out_BTNH, lse = res
-    delta = parts.delta(out_BTNH, dout_BTNH, k_BTKH.shape[2])
+    q_BTNH, k_BTKH, v_BTKH, seg_BT, pos_BT, out_BTNH, lse_all = res
+    n, per, G = plan(q_BTNH, k_BTKH)
+    ring_seg, ring_pos = (seg_BT, pos_BT) if all_to_all is None else all_to_all.gather((seg_BT, pos_BT))
 
-    def visit(kv):
-      k, v, kv_seg, kv_pos = kv
-      zeros = (jnp.zeros(q_BTNH.shape, jnp.float32), jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
-      return jax.lax.cond(
-          hides(seg_BT, pos_BT, kv_seg, kv_pos), lambda: zeros,
-          lambda: parts.backward(q_BTNH, k, v, seg_BT, kv_seg, pos_BT, kv_pos, lse, delta, dout_BTNH))
-
-    def hop(carry, _):
-      dq, kv, dkv = carry
-      with jax.named_scope("ring_ppermute_kv"):
-        incoming = send(kv)
-      dq_c, dk_c, dv_c = visit(kv)
-      with jax.named_scope("ring_ppermute_dkv"):
-        # The accumulators travel with their chunk; this hop overlaps the next chunk's compute.
-        dkv = send((dkv[0] + dk_c, dkv[1] + dv_c))
-      return (dq + dq_c, incoming, dkv), None
+    def one(i, grads):
+      qs, ks = i * per * G, i * per
+      q, out, dout = (_heads(x, qs, per * G) for x in (q_BTNH, out_BTNH, dout_BTNH))
+      k, v = _heads(k_BTKH, ks, per), _heads(v_BTKH, ks, per)
+      if all_to_all is not None:
+        q, out, dout, k, v = all_to_all.to_heads(q, out, dout, *all_to_all.replicate(k, v))
+      dq, dk, dv = ring_backward(q, k, v, ring_seg, ring_pos, out, lse_all[i], dout)
+      if all_to_all is not None:
+        dq, dk, dv = all_to_all.to_tokens(dq, dk, dv)
+        dk, dv = all_to_all.unreplicate(dk, dv, per)
+      return tuple(jax.lax.dynamic_update_slice_in_dim(full, part.astype(full.dtype), start, axis=2)
+                   for full, part, start in zip(grads, (dq, dk, dv), (qs, ks, ks)))
 
     with jax.named_scope("ring_bwd"):
-      kv = (k_BTKH, v_BTKH, seg_BT, pos_BT)
-      dkv = (jnp.zeros(k_BTKH.shape, jnp.float32), jnp.zeros(v_BTKH.shape, jnp.float32))
-      carry = (jnp.zeros(q_BTNH.shape, jnp.float32), kv, dkv)
-      (dq, kv, dkv), _ = jax.lax.scan(hop, carry, length=hops - 1)
-      (dq, _, (dk, dv)), _ = hop((dq, kv, dkv), None)   # the last hop's K/V send is dead code, dropped by XLA
-    return dq.astype(q_BTNH.dtype), dk.astype(k_BTKH.dtype), dv.astype(v_BTKH.dtype), None, None
+      grads = (jnp.zeros_like(q_BTNH), jnp.zeros_like(k_BTKH), jnp.zeros_like(v_BTKH))
+      dq, dk, dv = jax.lax.fori_loop(0, n, one, grads)
+    return dq, dk, dv, None, None
 
   attend.defvjp(attend_fwd, attend_bwd)
   return attend

@@ -7,12 +7,12 @@ GQA with fewer KV heads than the all-to-all degree: each KV head is repeated r =
 split) — the least replication that lets the degree split the KV heads. MaxText refuses this case; we don't.
 Autodiff sums the copies' gradients back. Query heads must still split evenly: N / tensor divisible by the degree.
 
-The all-to-all helpers take `axis_index_groups`, so USP reuses them inside groups of adjacent devices.
+`AllToAll` takes `axis_index_groups`, so USP reuses it inside groups of adjacent devices.
 """
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import math
 
 import jax
@@ -29,27 +29,54 @@ def kv_replication(kv_heads: int, degree: int) -> int:
   return degree // math.gcd(kv_heads, degree)
 
 
-def heads_first(axis: str, groups: list[list[int]] | None, degree: int, inner):
-  """Per-device fn(q, k, v, segment_ids, positions): all-to-all to head sharding within `groups` of `axis`, then
-  `inner(q, k, v, segment_ids, positions)` over the group's whole sequence, then all-to-all back."""
-  to_heads = functools.partial(jax.lax.all_to_all, axis_name=axis, split_axis=2, concat_axis=1, tiled=True,
-                               axis_index_groups=groups)
-  to_tokens = functools.partial(jax.lax.all_to_all, axis_name=axis, split_axis=1, concat_axis=2, tiled=True,
-                                axis_index_groups=groups)
-  gather = functools.partial(jax.lax.all_gather, axis_name=axis, axis=1, tiled=True, axis_index_groups=groups)
+@dataclasses.dataclass(frozen=True)
+class AllToAll:
+  """The all-to-alls of one Ulysses group layout: `groups` of `degree` devices on `axis` (None: the whole axis)."""
+  axis: str
+  groups: list[list[int]] | None
+  degree: int
+
+  def _each(self, fn, xs):
+    out = tuple(fn(x) for x in xs)
+    return out if len(out) > 1 else out[0]
+
+  def to_heads(self, *xs_BTNH):
+    """Token-sharded [B, T/P, N, H] → head-sharded [B, T·U/P, N/U, H] (all-to-all)."""
+    with jax.named_scope("ulysses_all_to_all_in"):
+      return self._each(lambda x: jax.lax.all_to_all(x, self.axis, 2, 1, tiled=True, axis_index_groups=self.groups),
+                        xs_BTNH)
+
+  def to_tokens(self, *xs_BTNH):
+    """The inverse of `to_heads` (all-to-all)."""
+    with jax.named_scope("ulysses_all_to_all_out"):
+      return self._each(lambda x: jax.lax.all_to_all(x, self.axis, 1, 2, tiled=True, axis_index_groups=self.groups),
+                        xs_BTNH)
+
+  def gather(self, xs_BT):
+    """Per-token arrays with no head axis (segment ids, positions): every group member needs all (all-gather)."""
+    return tuple(jax.lax.all_gather(x, self.axis, axis=1, tiled=True, axis_index_groups=self.groups) for x in xs_BT)
+
+  def replicate(self, k_BTKH, v_BTKH):
+    copies = kv_replication(k_BTKH.shape[2], self.degree)
+    if copies == 1:
+      return k_BTKH, v_BTKH
+    with jax.named_scope("ulysses_replicate_kv"):
+      return jnp.repeat(k_BTKH, copies, axis=2), jnp.repeat(v_BTKH, copies, axis=2)
+
+  def unreplicate(self, dk_BTKH, dv_BTKH, kv_heads):
+    """The transpose of `replicate`: each KV head's gradient is the sum over its copies."""
+    B, T, KC, H = dk_BTKH.shape
+    return tuple(x.reshape(B, T, kv_heads, KC // kv_heads, H).sum(axis=3) for x in (dk_BTKH, dv_BTKH))
+
+
+def heads_first(all_to_all: AllToAll, inner):
+  """Per-device fn(q, k, v, segment_ids, positions): all-to-all to head sharding, `inner(q, k, v, segment_ids,
+  positions)` over the group's whole sequence, all-to-all back. Autodiff transposes the all-to-alls."""
 
   def attend(q_BTNH, k_BTKH, v_BTKH, seg_BT, pos_BT):
-    copies = kv_replication(k_BTKH.shape[2], degree)
-    if copies > 1:
-      with jax.named_scope("ulysses_replicate_kv"):
-        k_BTKH, v_BTKH = jnp.repeat(k_BTKH, copies, axis=2), jnp.repeat(v_BTKH, copies, axis=2)
-    with jax.named_scope("ulysses_all_to_all_in"):
-      q_BTNH, k_BTKH, v_BTKH = to_heads(q_BTNH), to_heads(k_BTKH), to_heads(v_BTKH)
-      # Segment ids and positions have no head axis: every device of the group needs them all (all-gather).
-      seg_BT, pos_BT = gather(seg_BT), gather(pos_BT)
-    out_BTNH = inner(q_BTNH, k_BTKH, v_BTKH, seg_BT, pos_BT)
-    with jax.named_scope("ulysses_all_to_all_out"):
-      return to_tokens(out_BTNH)
+    q_BTNH, k_BTKH, v_BTKH = all_to_all.to_heads(q_BTNH, *all_to_all.replicate(k_BTKH, v_BTKH))
+    seg_BT, pos_BT = all_to_all.gather((seg_BT, pos_BT))
+    return all_to_all.to_tokens(inner(q_BTNH, k_BTKH, v_BTKH, seg_BT, pos_BT))
 
   return attend
 
@@ -73,4 +100,4 @@ class Ulysses(Strategy):
     local = kernels.get(kernel, block_q, block_kv)
     degree = mesh.shape[sharding.SEQ_AXIS]
     inner = lambda q, k, v, seg, pos: local(q, k, v, seg, seg, pos, pos)  # noqa: E731
-    return self.shard(mesh, heads_first(sharding.SEQ_AXIS, None, degree, inner))
+    return self.shard(mesh, heads_first(AllToAll(sharding.SEQ_AXIS, None, degree), inner))

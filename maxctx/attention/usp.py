@@ -15,7 +15,7 @@ from maxctx import sharding
 from maxctx.attention import kernels
 from maxctx.attention.registry import Strategy, register
 from maxctx.attention.ring import ring_attention
-from maxctx.attention.ulysses import check_heads, heads_first
+from maxctx.attention.ulysses import AllToAll, check_heads
 from maxctx.errors import ConfigError
 
 
@@ -47,7 +47,7 @@ class USP(Strategy):
       groups = [list(range(g * degree, (g + 1) * degree)) for g in range(hops)]
       # Member u of group g sends to member u of group g + 1.
       perm = [(g * degree + u, (g + 1) % hops * degree + u) for g in range(hops) for u in range(degree)]
-      ring = ring_attention(parts, sharding.SEQ_AXIS, perm, hops)
-      return heads_first(sharding.SEQ_AXIS, groups, degree, ring)(q, k, v, segment_ids, positions)
+      a2a = AllToAll(sharding.SEQ_AXIS, groups if hops > 1 else None, degree)
+      return ring_attention(parts, sharding.SEQ_AXIS, perm, hops, a2a)(q, k, v, segment_ids, positions)
 
     return self.shard(mesh, per_device)
