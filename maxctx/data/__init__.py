@@ -2,65 +2,144 @@
 
     pipeline = maxctx.data.build(config, mesh)
     batch = next(pipeline)   # {"tokens", "targets", "segment_ids", "positions"}: int32 [batch_size, seq_len]
+    saved = pipeline.state()  # JSON-able; pipeline.restore(saved) continues with exactly the next batch
 
 Contract with the model: the loss counts token t iff segment_ids[t] != 0, and targets[t] is the token that follows
-tokens[t] in its document. Arrays are sharded batch over data×fsdp and sequence over context; with
-`attention.load_balance` every array is in zigzag layout (maxctx.attention.layout).
+tokens[t] in its document (a document of L tokens gives L−1 pairs; no target crosses a document boundary). Segment ids
+run 1..n per sequence (0 = padding) and positions restart at 0 in each document. Arrays are sharded batch over
+data×fsdp and sequence over context; with `attention.load_balance` every array is in zigzag layout
+(maxctx.attention.layout).
+
+Each process makes only the rows of the global batch that its devices hold (dataset.py explains how rows stay the
+same for any process count) and hands each device its slice; no process ever builds the whole global batch. The
+state is per process: with several processes, save each process's `state()` (e.g. under its process index) and
+restore it into the process with the same index on the same mesh.
 """
 
 from __future__ import annotations
 
-from typing import Iterator
+import functools
+import logging
+import math
+from typing import Iterator, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 
 from maxctx import sharding
-from maxctx.attention import layout
 from maxctx.config import Config
-from maxctx.data import synthetic
-from maxctx.errors import ConfigError
+from maxctx.data import dataset
+from maxctx.data.packing import FIELDS
+from maxctx.errors import CheckpointError, ConfigError
 
-FIELDS = ("tokens", "targets", "segment_ids", "positions")
+log = logging.getLogger("maxctx.data")
+
+STATE_VERSION = 1
 
 
-def to_global(host_batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
-  """Places a host batch on the mesh; each device receives only its own shard."""
-  out = {}
-  for k, v in host_batch.items():
-    s = sharding.batch_sharding(mesh, v.ndim)
-    out[k] = jax.make_array_from_callback(v.shape, s, lambda idx, v=v: v[idx])
-  return out
+def local_rows(batch_sharding: NamedSharding, shape: tuple[int, int]) -> list[int]:
+  """The global batch rows held by this process's devices, sorted."""
+  rows = set()
+  for idx in batch_sharding.addressable_devices_indices_map(shape).values():
+    rows.update(range(*idx[0].indices(shape[0])))
+  return sorted(rows)
+
+
+def to_global(local: dict[str, np.ndarray], rows: Sequence[int], batch_sharding: NamedSharding,
+              shape: tuple[int, int]) -> dict[str, jax.Array]:
+  """Global arrays from this process's rows: each addressable device receives only its own [rows, columns] slice."""
+  where = {r: i for i, r in enumerate(rows)}
+
+  def shard(idx, v):
+    r0, r1, _ = idx[0].indices(shape[0])
+    return v[where[r0]:where[r0] + r1 - r0, idx[1]]
+
+  return {k: jax.make_array_from_callback(shape, batch_sharding, functools.partial(shard, v=v))
+          for k, v in local.items()}
+
+
+def validate(config: Config, mesh: Mesh) -> None:
+  """Shape errors a user can cause, before any file is read or anything compiles."""
+  d = config.data
+  batch_ways = math.prod(mesh.shape[a] for a in sharding.BATCH_AXES)
+  context = mesh.shape[sharding.SEQ_AXIS]
+  if d.seq_len < 1 or d.batch_size < 1:
+    raise ConfigError(f"data.seq_len {d.seq_len} and data.batch_size {d.batch_size} must both be at least 1.")
+  if d.batch_size % batch_ways:
+    raise ConfigError(f"data.batch_size {d.batch_size} is not divisible by the {batch_ways} batch shards "
+                      f"({' × '.join(sharding.BATCH_AXES)} of the mesh); make it a multiple of {batch_ways}.")
+  chunks = 2 * context if config.attention.load_balance else context
+  if d.seq_len % chunks:
+    why = "2 × context (attention.load_balance cuts the sequence into 2 chunks per device)" if \
+        config.attention.load_balance else "the context axis"
+    raise ConfigError(f"data.seq_len {d.seq_len} is not divisible by {chunks}, {why}; make it a multiple of {chunks}.")
+  if d.num_workers < 0:
+    raise ConfigError(f"data.num_workers is {d.num_workers}; use 0 (read in the main process) or more.")
 
 
 class Pipeline(Iterator[dict[str, jax.Array]]):
   """Iterates global batches; `state()` / `restore(state)` make resuming exact."""
 
   def __init__(self, config: Config, mesh: Mesh):
+    validate(config, mesh)
+    d = config.data
     self._config, self._mesh = config, mesh
-    self._context = mesh.shape[sharding.SEQ_AXIS]
-    self._index = 0
-    if config.data.source != "synthetic":
-      raise ConfigError(f"data.source {config.data.source!r} is not available yet; use data.source=synthetic.")
+    self._shape = (d.batch_size, d.seq_len)
+    self._sharding = sharding.batch_sharding(mesh)
+    self.rows = local_rows(self._sharding, self._shape)
+    self._dataset, self._bad = dataset.local_dataset(config, self.rows, mesh.shape[sharding.SEQ_AXIS])
+    self._iter = iter(self._dataset)
+    self._step = 0
+    log.info("data: %s, %d × %d tokens per batch; this process makes rows %s", d.source, d.batch_size, d.seq_len,
+             _ranges(self.rows))
 
-  def host_batch(self, index: int) -> dict[str, np.ndarray]:
-    d = self._config.data
-    out = synthetic.batch(self._config.run.seed, index, d.batch_size, d.seq_len, self._config.model.vocab_size)
-    if self._config.attention.load_balance:
-      out = {k: layout.zigzag(v, self._context, axis=1) for k, v in out.items()}
+  @property
+  def skipped(self) -> int:
+    """Records dropped under data.bad_records=skip, in this process so far."""
+    return self._bad.skipped if self._bad else 0
+
+  def host_batch(self) -> dict[str, np.ndarray]:
+    """The next batch's rows of this process, as numpy [len(self.rows), seq_len], laid out as on the devices."""
+    out = next(self._iter)
+    self._step += 1
     return out
 
   def __next__(self) -> dict[str, jax.Array]:
-    batch = to_global(self.host_batch(self._index), self._mesh)
-    self._index += 1
-    return batch
+    return to_global(self.host_batch(), self.rows, self._sharding, self._shape)
+
+  def _fingerprint(self) -> dict:
+    d = self._config.data
+    keys = ("source", "path", "seq_len", "batch_size", "tokenizer", "packing", "long_documents", "shuffle",
+            "num_workers")
+    return {**{k: getattr(d, k) for k in keys}, "seed": self._config.run.seed,
+            "load_balance": self._config.attention.load_balance, "context": self._mesh.shape[sharding.SEQ_AXIS]}
 
   def state(self) -> dict:
-    return {"index": self._index}
+    return {"version": STATE_VERSION, "step": self._step, "rows": list(self.rows), "config": self._fingerprint(),
+            "iterator": self._iter.get_state()}
 
   def restore(self, state: dict) -> None:
-    self._index = int(state["index"])
+    if state.get("version") != STATE_VERSION:
+      raise CheckpointError(f"the data iterator state has version {state.get('version')}, this maxctx reads "
+                            f"{STATE_VERSION}; resume with the maxctx that saved it or set checkpoint.resume=never.")
+    saved, now = state["config"], self._fingerprint()
+    for k in now:
+      if saved.get(k) != now[k]:
+        raise CheckpointError(f"the data iterator state was saved with {k}={saved.get(k)!r} but this run has "
+                              f"{now[k]!r}; resume with the same data settings or set checkpoint.resume=never.")
+    if list(state["rows"]) != list(self.rows):
+      raise CheckpointError(f"the data iterator state holds rows {_ranges(state['rows'])} but this process makes "
+                            f"rows {_ranges(self.rows)}; restore each process's own state on the same mesh.")
+    self._iter.set_state(state["iterator"])
+    self._step = int(state["step"])
+
+
+def _ranges(rows: Sequence[int]) -> str:
+  rows = list(rows)
+  if rows and rows == list(range(rows[0], rows[-1] + 1)):
+    return f"{rows[0]}–{rows[-1]}" if len(rows) > 1 else str(rows[0])
+  return ",".join(map(str, rows))
 
 
 def build(config: Config, mesh: Mesh) -> Pipeline:

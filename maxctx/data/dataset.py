@@ -1,0 +1,107 @@
+"""The grain dataset of one process: its rows of every global batch, packed and laid out for the mesh.
+
+Row r of every global batch comes from its own stream: documents r, r+B, r+2B, ... of the (seeded, per-epoch)
+shuffled corpus, tokenized and packed on their own. So a row is the same whichever process makes it, a process makes
+only the rows its devices hold, and the global batch is the same for any number of processes.
+
+  source ─shuffle, repeat, [r::B]─ encode ─ pack ─┐
+  ...                                             ├─ zip ─ stack, zigzag ─ (prefetch) → {field: [rows, seq_len]}
+  source ─shuffle, repeat, [r'::B]─ encode ─ pack ┘
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+import grain
+import numpy as np
+
+from maxctx.attention import layout
+from maxctx.config import Config
+from maxctx.data import packing, sources, synthetic, tokenizers
+from maxctx.errors import DataError
+
+log = logging.getLogger("maxctx.data")
+
+# Documents read ahead per row stream: the packer pulls them one at a time, threads would only contend for the GIL.
+_READ = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
+
+
+class Encode(grain.transforms.Map):
+  """A record → the int32 document the packer takes: tokenized text, or checked token ids; empty if skipped."""
+
+  def __init__(self, tokenizer: tokenizers.Tokenizer | None, vocab_size: int):
+    self._tokenizer, self._vocab_size = tokenizer, vocab_size
+
+  def map(self, record):
+    if record is None:
+      return np.zeros(0, np.int32)
+    if isinstance(record, str):
+      return tokenizers.encode_document(self._tokenizer, record)
+    if record.size and (record.min() < 0 or record.max() >= self._vocab_size):
+      bad = int(record.max()) if record.max() >= self._vocab_size else int(record.min())
+      raise DataError(f"a pre-tokenized document holds token id {bad}, outside model.vocab_size {self._vocab_size}; "
+                      "set model.vocab_size to the tokenizer's vocabulary or fix the data.")
+    return record
+
+
+def tokenizer_for(config: Config) -> tokenizers.Tokenizer | None:
+  """The configured tokenizer, checked against model.vocab_size; the stdlib source trains its own when none is set."""
+  d, vocab = config.data, config.model.vocab_size
+  if d.tokenizer:
+    tok = tokenizers.load(d.tokenizer)
+  elif d.source == "stdlib":
+    tok = tokenizers.stdlib_tokenizer(vocab)
+  else:
+    return None
+  tokenizers.check_fits(tok, vocab)
+  return tok
+
+
+def _rows_of_documents(source, config: Config, encode: Encode, rows: Sequence[int]) -> list[grain.IterDataset]:
+  d = config.data
+  docs = grain.MapDataset.source(source)
+  if d.shuffle:
+    # index_shuffle reseeds per epoch (seed + epoch), so repeated epochs come in new orders.
+    docs = docs.shuffle(seed=config.run.seed % 2**32)
+  docs = docs.repeat(None)
+  out = []
+  for r in rows:
+    stream = docs[r::d.batch_size].map(encode).to_iter_dataset(_READ)
+    out.append(packing.PackIterDataset(stream, d.seq_len, d.packing, d.long_documents))
+  return out
+
+
+def _rows_of_synthetic(config: Config, rows: Sequence[int]) -> list[grain.IterDataset]:
+  d, seed, vocab = config.data, config.run.seed, config.model.vocab_size
+  steps = grain.MapDataset.range(1 << 62)
+  return [steps.map(lambda i, r=r: synthetic.row(seed, i, r, d.seq_len, vocab)).to_iter_dataset(_READ) for r in rows]
+
+
+class Stack(grain.transforms.Map):
+  """Row dicts → one dict of [rows, seq_len] arrays, zigzagged over `context` when load balancing."""
+
+  def __init__(self, context: int | None):
+    self._context = context
+
+  def map(self, row_dicts):
+    out = {k: np.stack([r[k] for r in row_dicts]) for k in packing.FIELDS}
+    if self._context:
+      out = {k: layout.zigzag(v, self._context, axis=1) for k, v in out.items()}
+    return out
+
+
+def local_dataset(config: Config, rows: Sequence[int], context: int) -> tuple[grain.IterDataset, object]:
+  """This process's batches as a grain IterDataset, and the source's bad-record counter (None for synthetic)."""
+  d = config.data
+  if d.source == "synthetic":
+    streams, bad = _rows_of_synthetic(config, rows), None
+  else:
+    tok = tokenizer_for(config)
+    source, bad = sources.open_source(d, has_tokenizer=tok is not None)
+    streams = _rows_of_documents(source, config, Encode(tok, config.model.vocab_size), rows)
+  ds = grain.experimental.ZipIterDataset(streams).map(Stack(context if config.attention.load_balance else None))
+  if d.num_workers > 0:
+    ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=d.num_workers))
+  return ds, bad
