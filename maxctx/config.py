@@ -92,6 +92,7 @@ class DataConfig:
   batch_size: int
   path: str
   text_field: str
+  text_separator: str
   tokenizer: str
   packing: Literal["first_fit", "concat"]
   long_documents: Literal["split", "truncate"]
@@ -192,10 +193,19 @@ def _merge(base: dict[str, Any], over: dict[str, Any], where: str, prefix: str =
   return out
 
 
+def _closest_key(dotted: str, siblings: list[str], prefix: str) -> str | None:
+  # An abbreviation first (learning_rate → lr, grad_accumulation → ga...), then spelling.
+  leaf = dotted.rsplit(".", 1)[-1]
+  initials = "".join(w[0] for w in leaf.split("_") if w)
+  if len(initials) > 1 and initials in siblings:
+    return prefix + initials
+  close = difflib.get_close_matches(dotted, [prefix + k for k in siblings] + schema_keys(), n=1, cutoff=0.5)
+  return close[0] if close else None
+
+
 def _unknown_key_message(dotted: str, siblings: dict[str, Any], prefix: str, where: str) -> str:
-  candidates = [prefix + k for k in siblings] + schema_keys()
-  close = difflib.get_close_matches(dotted, candidates, n=1, cutoff=0.5)
-  hint = f"did you mean {close[0]}?" if close else "see configs/base.yml for every key."
+  close = _closest_key(dotted, list(siblings), prefix)
+  hint = f"did you mean {close}?" if close else "see configs/base.yml for every key."
   return f"unknown config key {dotted} in {where}; {hint}"
 
 

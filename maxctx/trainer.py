@@ -131,7 +131,7 @@ class Trainer:
     with jax.named_scope("train_step"):
       n_tokens = jnp.maximum(jnp.sum(batch["segment_ids"] != 0), 1).astype(jnp.float32)
       loss, grads = self._grads(state.params, batch, n_tokens)
-      grad_norm = optax.global_norm(grads)
+      grad_norm = optax.tree.norm(grads)
       updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
       params = optax.apply_updates(state.params, updates)
       new = TrainState(step=state.step + 1, params=params, opt_state=opt_state)

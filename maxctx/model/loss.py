@@ -1,8 +1,8 @@
 """Token cross-entropy without materialising the [tokens, vocab] logits.
 
 The final hidden states are cut into S steps of C tokens; a scan computes each step's logits, log-sum-exp and target
-logit, and `jax.checkpoint` makes the backward pass recompute them rather than store them, so at most one step's
-logits exist at a time. At 128K local tokens and a 128K vocabulary the full logits would be 64 GiB in float32.
+logit, and a custom backward recomputes them rather than storing them, so at most one step's logits exist at a
+time. At 128K local tokens and a 128K vocabulary the full logits would be 64 GiB in float32.
 
 The chunk is strided (step s holds tokens s, s+S, s+2S, ...) so that, with the sequence sharded over the context
 axis, every device holds C/P tokens of every step and no step needs communication of activations.
@@ -24,6 +24,47 @@ def global_chunk(local_chunk: int, seq_len: int) -> int:
   return chunk
 
 
+def _logits(h_BCD, w_DV):
+  h_BCD = sharding.constrain(h_BCD, ("batch", "seq", "act_embed"))
+  logits_BCV = jnp.einsum("bcd,dv->bcv", h_BCD, w_DV, preferred_element_type=jnp.float32)
+  return sharding.constrain(logits_BCV, ("batch", "seq", "act_vocab"))
+
+
+def _is_target(logits_BCV, targets_BC):
+  vocab_ids = jax.lax.broadcasted_iota(jnp.int32, logits_BCV.shape, 2)
+  return vocab_ids == targets_BC[..., None]
+
+
+@jax.custom_vjp
+def _chunk_loss(h_BCD, w_DV, targets_BC, weights_BC):
+  return _chunk_loss_fwd(h_BCD, w_DV, targets_BC, weights_BC)[0]
+
+
+def _chunk_loss_fwd(h_BCD, w_DV, targets_BC, weights_BC):
+  logits_BCV = _logits(h_BCD, w_DV)
+  lse_BC = jax.nn.logsumexp(logits_BCV, axis=-1)
+  target_logit_BC = jnp.sum(jnp.where(_is_target(logits_BCV, targets_BC), logits_BCV, 0.0), axis=-1)
+  return jnp.sum((lse_BC - target_logit_BC) * weights_BC), (h_BCD, w_DV, targets_BC, weights_BC, lse_BC)
+
+
+def _chunk_loss_bwd(residuals, g):
+  # The logits are recomputed, and their gradient (softmax − one-hot) is formed in the same buffer: one [C, V]
+  # array per step instead of the several that autodiff of logsumexp would keep.
+  h_BCD, w_DV, targets_BC, weights_BC, lse_BC = residuals
+  logits_BCV = _logits(h_BCD, w_DV)
+  probs_BCV = jnp.exp(logits_BCV - lse_BC[..., None])
+  scale_BC = (weights_BC * g)[..., None]
+  dlogits_BCV = (jnp.where(_is_target(logits_BCV, targets_BC), probs_BCV - 1.0, probs_BCV) * scale_BC)
+  dh_BCD = jnp.einsum("bcv,dv->bcd", dlogits_BCV.astype(w_DV.dtype), w_DV,
+                      preferred_element_type=jnp.float32).astype(h_BCD.dtype)
+  dw_DV = jnp.einsum("bcd,bcv->dv", h_BCD, dlogits_BCV.astype(h_BCD.dtype),
+                     preferred_element_type=jnp.float32).astype(w_DV.dtype)
+  return dh_BCD, dw_DV, None, None
+
+
+_chunk_loss.defvjp(_chunk_loss_fwd, _chunk_loss_bwd)
+
+
 def chunked_cross_entropy(h_BTD, w_DV, targets_BT, weights_BT, chunk: int):
   """(sum of weighted token losses, sum of weights), both float32 scalars.
 
@@ -38,16 +79,8 @@ def chunked_cross_entropy(h_BTD, w_DV, targets_BT, weights_BT, chunk: int):
     x = x_BT_.reshape(B, chunk, steps, *x_BT_.shape[2:])
     return jnp.moveaxis(x, 2, 0)
 
-  @jax.checkpoint
   def step(total, xs):
-    h_BCD, targets_BC, weights_BC = xs
-    h_BCD = sharding.constrain(h_BCD, ("batch", "seq", "act_embed"))
-    logits_BCV = jnp.einsum("bcd,dv->bcv", h_BCD, w_DV, preferred_element_type=jnp.float32)
-    logits_BCV = sharding.constrain(logits_BCV, ("batch", "seq", "act_vocab"))
-    lse_BC = jax.nn.logsumexp(logits_BCV, axis=-1)
-    vocab_ids = jax.lax.broadcasted_iota(jnp.int32, logits_BCV.shape, 2)
-    target_logit_BC = jnp.sum(jnp.where(vocab_ids == targets_BC[..., None], logits_BCV, 0.0), axis=-1)
-    return total + jnp.sum((lse_BC - target_logit_BC) * weights_BC), None
+    return total + _chunk_loss(*xs[:1], w_DV, *xs[1:]), None
 
   total, _ = jax.lax.scan(step, jnp.zeros((), jnp.float32),
                           (to_steps(h_BTD), to_steps(targets_BT), to_steps(weights_BT)))
