@@ -2,26 +2,31 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed
+CPU8 := XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu
 
-.PHONY: train test test-fast install clean
+.PHONY: train test test-fast install install-test clean
 
-$(STAMP): pyproject.toml
+$(VENV)/.base: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e .
+	touch $@
+
+$(VENV)/.test: $(VENV)/.base
 	$(PY) -m pip install --quiet -e '.[test]'
-	touch $(STAMP)
+	touch $@
 
-install: $(STAMP)
+install: $(VENV)/.base
+install-test: $(VENV)/.test
 
-train: $(STAMP)
-	XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu $(PY) -m maxctx.train configs/demo.yml $(ARGS)
+train: $(VENV)/.base
+	$(CPU8) $(PY) -m maxctx.train configs/demo.yml $(ARGS)
 
-test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadgroup tests $(ARGS)
+test: $(VENV)/.test
+	$(CPU8) $(PY) -m pytest -q -n 2 tests $(ARGS)
 
-test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow" tests $(ARGS)
+test-fast: $(VENV)/.test
+	$(CPU8) $(PY) -m pytest -q -m "not slow" tests $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs
