@@ -119,9 +119,12 @@ class Blockwise:
 
   def delta(self, out_BTNH, dout_BTNH, kv_heads):
     """rowsum(dO ∘ O) in the kernel's layout: the softmax backward's correction term."""
-    d_BTN = jnp.sum(out_BTNH.astype(_F32) * dout_BTNH.astype(_F32), axis=-1)
-    B, T, N = d_BTN.shape
-    return jnp.transpose(d_BTN.reshape(B, T, kv_heads, N // kv_heads), (0, 2, 3, 1))
+    return self.rows(jnp.sum(out_BTNH.astype(_F32) * dout_BTNH.astype(_F32), axis=-1), kv_heads)
+
+  def rows(self, x_BTN, kv_heads):
+    """A per-(token, query head) array in the kernel's layout, as lse and delta are kept."""
+    B, T, N = x_BTN.shape
+    return jnp.transpose(x_BTN.reshape(B, T, kv_heads, N // kv_heads), (0, 2, 3, 1))
 
   def backward(self, q_BTNH, k_BSKH, v_BSKH, q_seg, kv_seg, q_pos, kv_pos, lse_BKGT, delta_BKGT, dout_BTNH,
                grads=None):

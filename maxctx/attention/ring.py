@@ -66,8 +66,7 @@ def ring_attention(parts: Blockwise, axis: str, perm: list[tuple[int, int]], hop
     (state, kv), _ = jax.lax.scan(hop, (state, kv), length=hops - 1)
     return parts.finish(visit(state, kv), q_BTNH.dtype)
 
-  def ring_backward(q_BTNH, k_BTKH, v_BTKH, seg_BT, pos_BT, out_BTNH, lse, dout_BTNH):
-    delta = parts.delta(out_BTNH, dout_BTNH, k_BTKH.shape[2])
+  def ring_backward(q_BTNH, k_BTKH, v_BTKH, seg_BT, pos_BT, lse, delta, dout_BTNH):
 
     def hop(carry, _):
       dq, kv, dkv = carry
@@ -132,13 +131,19 @@ def ring_attention(parts: Blockwise, axis: str, perm: list[tuple[int, int]], hop
     n, per, G = plan(q_BTNH, k_BTKH)
     ring_seg, ring_pos = (seg_BT, pos_BT) if all_to_all is None else all_to_all.gather((seg_BT, pos_BT))
 
+    # rowsum(dO ∘ O) for all heads at once, so a pass needs no slice of the output.
+    delta_BTN = jnp.sum(out_BTNH.astype(jnp.float32) * dout_BTNH.astype(jnp.float32), axis=-1)
+
     def one(i, grads):
       qs, ks = i * per * G, i * per
-      q, out, dout = (_heads(x, qs, per * G) for x in (q_BTNH, out_BTNH, dout_BTNH))
+      q, dout = _heads(q_BTNH, qs, per * G), _heads(dout_BTNH, qs, per * G)
+      delta = jax.lax.dynamic_slice_in_dim(delta_BTN, qs, per * G, axis=2)
       k, v = _heads(k_BTKH, ks, per), _heads(v_BTKH, ks, per)
       if all_to_all is not None:
-        q, out, dout, k, v = all_to_all.to_heads(q, out, dout, *all_to_all.replicate(k, v))
-      dq, dk, dv = ring_backward(q, k, v, ring_seg, ring_pos, out, lse_all[i], dout)
+        q, dout, delta, k, v = all_to_all.to_heads(q, dout, delta[..., None], *all_to_all.replicate(k, v))
+        delta = delta[..., 0]
+      delta = parts.rows(delta, k.shape[2])
+      dq, dk, dv = ring_backward(q, k, v, ring_seg, ring_pos, lse_all[i], delta, dout)
       if all_to_all is not None:
         dq, dk, dv = all_to_all.to_tokens(dq, dk, dv)
         dk, dv = all_to_all.unreplicate(dk, dv, per)
