@@ -16,7 +16,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from maxctx.attention import mask
+from maxctx.attention import cudnn, mask, splash
 from maxctx.attention.blockwise import Blockwise, attend_fn
 
 Kernel = Callable[..., jax.Array]
@@ -28,6 +28,7 @@ class KernelSpec:
   make: Callable[[int | None, int | None], Kernel]
   parts: Callable[[int | None, int | None], Blockwise] | None = None
   platforms: tuple[str, ...] | None = None   # None: every backend
+  document_order: bool = False   # reads causality from token order, not positions: whole sequence, natural layout
 
 
 KERNELS: dict[str, KernelSpec] = {}
@@ -60,6 +61,10 @@ register("reference", KernelSpec(make=lambda bq, bk: reference,
                                  parts=lambda bq, bk: Blockwise(_WHOLE, _WHOLE, upcast=True)))
 register("blockwise", KernelSpec(make=lambda bq, bk: attend_fn(Blockwise(bq, bk)),
                                  parts=lambda bq, bk: Blockwise(bq, bk)))
+# Off its platform (tests) splash runs in the Pallas interpreter and cudnn through XLA; validate refuses both there.
+register("splash", KernelSpec(make=lambda bq, bk: splash.make(bq, bk, interpret=jax.default_backend() != "tpu"),
+                              platforms=("tpu",), document_order=True))
+register("cudnn", KernelSpec(make=cudnn.make, platforms=("gpu",)))
 
 
 def get(name: str, block_q: int | None = None, block_kv: int | None = None) -> Kernel:

@@ -49,6 +49,10 @@ class Strategy:
     if platforms is not None and platform not in platforms:
       raise ConfigError(f"attention.kernel {p.kernel!r} runs only on {' or '.join(platforms)}, not on {platform}; "
                         "use attention.kernel=blockwise there.")
+    if kernels.KERNELS[p.kernel].document_order and not self.keeps_document_order(p):
+      raise ConfigError(f"attention.kernel {p.kernel!r} reads causality from token order over the whole sequence, "
+                        f"which attention.strategy {self.name} with load_balance={str(p.load_balance).lower()} "
+                        "does not give it; use ulysses with attention.load_balance=false, or kernel blockwise.")
     if p.n_heads % p.n_kv_heads:
       raise ConfigError(f"model n_heads {p.n_heads} is not a multiple of n_kv_heads {p.n_kv_heads}; "
                         "grouped-query attention needs whole groups.")
@@ -67,6 +71,10 @@ class Strategy:
             block_q: int | None, block_kv: int | None) -> AttentionFn:
     raise NotImplementedError
 
+
+  def keeps_document_order(self, p: Problem) -> bool:
+    """Whether each device's kernel sees queries and keys of the whole sequence in natural order."""
+    return p.context == 1 and not p.load_balance
 
   @staticmethod
   def shard(mesh: Mesh, per_device: Callable) -> AttentionFn:

@@ -1,0 +1,300 @@
+"""The attention library beyond the conformance matrix: the blockwise kernel against the reference, the block-skip
+test, the zigzag layout, validate's sentences, collectives in the compiled HLO, memory from `memory_analysis()`,
+and the strategies under jit, scan over layers and remat."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import maxctx.attention as attention
+from maxctx import sharding
+from maxctx.attention import kernels, layout, mask
+from maxctx.errors import ConfigError
+
+
+def make_mesh(data=1, fsdp=1, context=8, tensor=1):
+  devices = np.array(jax.devices()[:data * fsdp * context * tensor]).reshape(data, fsdp, context, tensor)
+  return Mesh(devices, ("data", "fsdp", "context", "tensor"))
+
+
+def packed(rng, b, t, shuffle=True):
+  """Random documents (segment ids from 1, positions restarting at 0), a padding tail on row 0, tokens shuffled."""
+  seg = np.zeros((b, t), np.int32)
+  pos = np.zeros((b, t), np.int32)
+  for row in range(b):
+    cuts = np.sort(rng.choice(np.arange(1, t), size=5, replace=False))
+    for i, (lo, hi) in enumerate(zip([0, *cuts], [*cuts, t])):
+      seg[row, lo:hi] = i + 1
+      pos[row, lo:hi] = np.arange(hi - lo)
+  seg[0, -3:] = 0
+  order = rng.permutation(t) if shuffle else np.arange(t)
+  return seg[:, order], pos[:, order]
+
+
+# --- kernels ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("blocks", [(16, 8), (None, None)])
+def test_blockwise_matches_reference(dtype, blocks):
+  rng = np.random.default_rng(0)
+  b, t, n, k, h = 2, 96, 8, 2, 16
+  q, kk, v, dout = (jnp.asarray(rng.normal(size=s), dtype)
+                    for s in [(b, t, n, h), (b, t, k, h), (b, t, k, h), (b, t, n, h)])
+  seg, pos = packed(rng, b, t)
+
+  def vjp(kernel, *xs):
+    out, pullback = jax.vjp(lambda q, k, v: kernel(q, k, v, seg, seg, pos, pos), *xs)
+    return (out, *pullback(dout.astype(out.dtype)))
+
+  f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+  want = jax.jit(lambda *xs: vjp(kernels.reference, *xs))(f32(q), f32(kk), f32(v))
+  got = jax.jit(lambda *xs: vjp(kernels.get("blockwise", *blocks), *xs))(q, kk, v)
+  tol = 1e-5 if dtype == jnp.float32 else 2e-2
+  for g, w in zip(got, want):
+    assert float(jnp.abs(f32(g) - w).max()) <= tol * max(1.0, float(jnp.abs(w).max()))
+  assert got[0].dtype == dtype
+
+
+def test_fully_masked_rows_are_zero_with_finite_gradients():
+  rng = np.random.default_rng(1)
+  q, k, v = (jnp.asarray(rng.normal(size=(1, 16, 2, 8)), jnp.float32) for _ in range(3))
+  seg = np.zeros((1, 16), np.int32)
+  seg[0, :8] = 1
+  pos = np.tile(np.arange(16, dtype=np.int32), (1, 1))
+  fn = kernels.get("blockwise", 4, 4)
+  out = fn(q, k, v, seg, seg, pos, pos)
+  grads = jax.grad(lambda q, k, v: fn(q, k, v, seg, seg, pos, pos).sum(), argnums=(0, 1, 2))(q, k, v)
+  assert float(jnp.abs(out[0, 8:]).max()) == 0.0
+  assert all(bool(jnp.isfinite(g).all()) for g in grads)
+
+
+def test_hidden_never_hides_a_visible_pair():
+  """Soundness of the block-skip test: a tile pair it hides has no visible (query, key) pair, on random layouts."""
+  rng = np.random.default_rng(2)
+  hidden_some = False
+  for trial in range(20):
+    seg, pos = packed(rng, 2, 64, shuffle=trial % 3 == 0)
+    if trial % 3 == 1:   # zigzag over 4 devices
+      seg, pos = layout.zigzag(seg, 4), layout.zigzag(pos, 4)
+    vis = np.asarray(mask.visible(seg, seg, pos, pos)).reshape(2, 8, 8, 8, 8)
+    hid = np.asarray(mask.hidden(mask.summarize(seg, pos, 8), mask.summarize(seg, pos, 8)))
+    assert not np.any(hid[None, :, None, :, None] & vis)
+    hidden_some |= bool(hid.any())
+  assert hidden_some
+
+
+def test_zigzag_layout_balances_and_inverts():
+  x = np.arange(32)[None]
+  z = layout.zigzag(x, 4)
+  assert z[0, :8].tolist() == [0, 1, 2, 3, 28, 29, 30, 31]
+  np.testing.assert_array_equal(layout.unzigzag(z, 4), x)
+  with pytest.raises(ValueError):
+    layout.zigzag(np.arange(30)[None], 4)
+
+
+# --- validate --------------------------------------------------------------------------------------------------
+
+BASE = dict(context=8, tensor=1, n_heads=8, n_kv_heads=2, seq_len=1024, kernel="blockwise")
+
+
+@pytest.mark.parametrize("strategy, changes, message", [
+    ("rign", {}, r"attention.strategy 'rign' is not a known strategy; did you mean 'ring'\?"),
+    ("ring", dict(kernel="blockwize"), r"attention.kernel 'blockwize' is not a known kernel; did you mean"),
+    ("ring", dict(seq_len=1020), r"data.seq_len 1020 is not divisible by the context degree 8"),
+    ("ring", dict(seq_len=1032, load_balance=True), r"not divisible by 2 × context = 16 \(zigzag"),
+    ("ulysses", dict(n_heads=4, n_kv_heads=4), r"attention.strategy ulysses splits the 4 query heads"),
+    ("usp", dict(ulysses_degree=3), r"attention.ulysses_degree 3 does not divide the context degree 8"),
+    ("usp", dict(n_heads=4, n_kv_heads=4, ulysses_degree=8), r"attention.strategy usp splits the 4 query heads"),
+    ("ring", dict(ulysses_degree=2), r"attention.ulysses_degree=2 is read only by usp, not by ring"),
+    ("all_gather", dict(n_heads=6, n_kv_heads=4), r"n_heads 6 is not a multiple of n_kv_heads 4"),
+    ("all_gather", dict(tensor=4), r"the tensor axis \(4\) must divide both n_heads 8 and n_kv_heads 2"),
+    ("ring", dict(kernel="splash"), r"attention.kernel 'splash' runs only on tpu, not on cpu"),
+])
+def test_validate_refuses_with_one_sentence(strategy, changes, message):
+  with pytest.raises(ConfigError, match=message) as err:
+    attention.validate(strategy, attention.Problem(**{**BASE, **changes}))
+  assert str(err.value).count(". ") == 0 and str(err.value)[-1] in ".?"
+
+
+def test_validate_accepts_kv_heads_below_the_all_to_all_degree():
+  attention.validate("ulysses", attention.Problem(**BASE))                       # 2 KV heads over 8 devices
+  attention.validate("usp", attention.Problem(**{**BASE, "ulysses_degree": 4}))
+  attention.validate("usp", attention.Problem(**BASE))                           # default degree
+
+
+# --- compiled HLO: context parallelism did not switch itself off ------------------------------------------------
+
+def compiled_vjp(strategy, mesh, b, t, n, k, h, dtype=jnp.float32, **kw):
+  fn = attention.build(strategy, mesh, **kw)
+  heads = NamedSharding(mesh, P(sharding.BATCH_AXES, sharding.SEQ_AXIS, sharding.HEAD_AXIS, None))
+  toks = NamedSharding(mesh, P(sharding.BATCH_AXES, sharding.SEQ_AXIS))
+
+  def grads(q, kk, v, seg, pos):
+    return jax.grad(lambda q, kk, v: jnp.sum(fn(q, kk, v, seg, pos).astype(jnp.float32)), argnums=(0, 1, 2))(q, kk, v)
+
+  spec = lambda shape, dt, s: jax.ShapeDtypeStruct(shape, dt, sharding=s)  # noqa: E731
+  return jax.jit(grads).lower(spec((b, t, n, h), dtype, heads), spec((b, t, k, h), dtype, heads),
+                              spec((b, t, k, h), dtype, heads), spec((b, t), jnp.int32, toks),
+                              spec((b, t), jnp.int32, toks)).compile()
+
+
+@pytest.mark.parametrize("strategy, kw, present, absent", [
+    ("all_gather", {}, ["all-gather"], ["all-to-all", "collective-permute"]),
+    ("ulysses", {}, ["all-to-all"], ["collective-permute"]),
+    ("ring", {}, ["collective-permute"], ["all-gather", "all-to-all"]),
+    ("usp", dict(ulysses_degree=2), ["all-to-all", "collective-permute"], []),
+])
+def test_hlo_contains_the_strategy_collectives(strategy, kw, present, absent):
+  hlo = compiled_vjp(strategy, make_mesh(), 2, 256, 8, 2, 16, **kw).as_text()
+  ops = set(re.findall(r"\b(all-gather|all-to-all|collective-permute|all-reduce)(?:-start)?\(", hlo))
+  for op in present:
+    assert op in ops, f"{strategy}: no {op} in the compiled HLO ({sorted(ops)})"
+  for op in absent:
+    assert op not in ops, f"{strategy}: unexpected {op} in the compiled HLO"
+
+
+# --- memory ------------------------------------------------------------------------------------------------------
+
+MEM = dict(b=1, t=65_536, n=8, k=8, h=64)
+
+
+def temp_bytes(compiled):
+  return compiled.memory_analysis().temp_size_in_bytes
+
+
+def largest_array(compiled) -> int:
+  sizes = [int(np.prod([int(d) for d in dims.split(",") if d])) for dims in
+           re.findall(r"\b(?:f32|bf16|s32|pred)\[([\d,]*)\]", compiled.as_text())]
+  return max(sizes)
+
+
+@pytest.fixture(scope="module")
+def blockwise_one_device_temp():
+  """The blockwise kernel alone on one device (context=1), forward+backward."""
+  kernel = kernels.get("blockwise")
+  b, t, n, k, h = MEM.values()
+  spec = jax.ShapeDtypeStruct
+  grads = jax.grad(lambda q, kk, v, s, p: jnp.sum(kernel(q, kk, v, s, s, p, p)), argnums=(0, 1, 2))
+  return temp_bytes(jax.jit(grads).lower(spec((b, t, n, h), jnp.float32), spec((b, t, k, h), jnp.float32),
+                                         spec((b, t, k, h), jnp.float32), spec((b, t), jnp.int32),
+                                         spec((b, t), jnp.int32)).compile())
+
+
+@pytest.mark.parametrize("strategy, kw, ratio", [
+    ("ring", {}, 0.2),
+    # usp's passes must hold at least U query heads (here 2 of 8) where the ring holds one: a little more in flight.
+    ("usp", dict(ulysses_degree=2), 0.25),
+])
+def test_memory_falls_with_the_context_degree(strategy, kw, ratio, blockwise_one_device_temp):
+  """B=1, T=65,536, N=K=8, H=64, causal, float32, forward+backward: per-device temp at context=8 against the
+  blockwise kernel alone on one device."""
+  temp = temp_bytes(compiled_vjp(strategy, make_mesh(), **kw, **MEM))
+  assert temp <= ratio * blockwise_one_device_temp, (
+      f"{strategy}: {temp / 2**20:.1f} MiB > {ratio} × {blockwise_one_device_temp / 2**20:.1f} MiB")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy, kw", [("all_gather", {}), ("ulysses", {}), ("ring", {}),
+                                          ("usp", dict(ulysses_degree=2)), ("usp", dict(ulysses_degree=4))])
+def test_nothing_holds_a_quadratic_matrix(strategy, kw):
+  """The smallest quadratic score matrix a device could hold is its T/P queries × T keys; no array comes close."""
+  compiled = compiled_vjp(strategy, make_mesh(), **kw, **MEM)
+  quadratic = MEM["t"] // 8 * MEM["t"]
+  assert largest_array(compiled) < quadratic // 8
+  assert temp_bytes(compiled) < quadratic * 4 // 2
+
+
+# --- inside jit, scan over layers and remat ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("strategy, kw, dtype", [
+    ("all_gather", {}, jnp.float32), ("ulysses", {}, jnp.float32), ("ring", {}, jnp.float32),
+    ("usp", dict(ulysses_degree=2), jnp.float32), ("ring", {}, jnp.bfloat16), ("usp", dict(ulysses_degree=2),
+                                                                                jnp.bfloat16)])
+def test_strategies_under_scan_and_remat(strategy, kw, dtype):
+  """Two layers scanned with jax.checkpoint around the body, under jax.set_mesh: loss and parameter gradients equal
+  the same model with the reference kernel on one device."""
+  rng = np.random.default_rng(3)
+  b, t, d, n, k, h, layers = 2, 64, 32, 4, 2, 8, 2
+  mesh = make_mesh(fsdp=2, context=4)
+  seg, pos = packed(rng, b, t)
+  seg, pos = layout.zigzag(seg, 4), layout.zigzag(pos, 4)
+  x = jnp.asarray(rng.normal(size=(b, t, d)), jnp.float32)
+  params = {name: jnp.asarray(rng.normal(size=(layers, *shape)) * d**-0.5, jnp.float32)
+            for name, shape in dict(wq=(d, n * h), wk=(d, k * h), wv=(d, k * h), wo=(n * h, d)).items()}
+
+  def model(attend, params, x):
+    def layer(x, p):
+      xc = x.astype(dtype)
+      q = (xc @ p["wq"].astype(dtype)).reshape(b, t, n, h)
+      kk = (xc @ p["wk"].astype(dtype)).reshape(b, t, k, h)
+      v = (xc @ p["wv"].astype(dtype)).reshape(b, t, k, h)
+      out = attend(q, kk, v, seg, pos).reshape(b, t, n * h)
+      return x + (out @ p["wo"].astype(dtype)).astype(jnp.float32), None
+    y, _ = jax.lax.scan(jax.checkpoint(layer), x, params)
+    return jnp.mean(y**2)
+
+  ref = lambda q, kk, v, s, p: kernels.reference(q, kk, v, s, s, p, p).astype(q.dtype)  # noqa: E731
+  want_loss, want_grads = jax.jit(jax.value_and_grad(lambda p: model(ref, p, x)))(params)
+  fn = attention.build(strategy, mesh, block_q=8, block_kv=8, **kw)
+  with jax.set_mesh(mesh):
+    got_loss, got_grads = jax.jit(jax.value_and_grad(lambda p: model(fn, p, x)))(params)
+  tol = 1e-5 if dtype == jnp.float32 else 2e-2
+  assert abs(float(got_loss) - float(want_loss)) <= tol * max(1.0, abs(float(want_loss)))
+  for name in params:
+    scale = max(1.0, float(jnp.abs(want_grads[name]).max()))
+    assert float(jnp.abs(got_grads[name] - want_grads[name]).max()) <= tol * scale, name
+
+
+# --- splash (Pallas interpreter on CPU) and cudnn (XLA's implementation off the GPU) --------------------------------
+
+@pytest.mark.parametrize("strategy, changes, message", [
+    ("ring", dict(kernel="cudnn", platform="gpu"), r"attention.strategy ring feeds the kernel one chunk of keys at a "
+                                                   r"time, which attention.kernel 'cudnn' cannot do"),
+    ("ring", {}, r"attention.kernel 'splash' reads causality from token order"),
+    ("ulysses", dict(load_balance=True), r"attention.kernel 'splash' reads causality from token order"),
+    ("all_gather", {}, r"attention.kernel 'splash' reads causality from token order"),
+])
+def test_validate_kernel_and_strategy_pairs(strategy, changes, message):
+  problem = attention.Problem(**{**BASE, "kernel": "splash", "platform": "tpu", **changes})
+  with pytest.raises(ConfigError, match=message):
+    attention.validate(strategy, problem)
+  attention.validate("ulysses", attention.Problem(**{**BASE, "kernel": "splash", "platform": "tpu"}))
+
+
+def _strategy_against_reference(strategy, kernel, mesh, b, t, n, k, h, seg, pos, block=None):
+  rng = np.random.default_rng(4)
+  q, kk, v, dout = (jnp.asarray(rng.normal(size=s), jnp.float32)
+                    for s in [(b, t, n, h), (b, t, k, h), (b, t, k, h), (b, t, n, h)])
+  fn = attention.build(strategy, mesh, kernel=kernel, block_q=block, block_kv=block)
+
+  def vjp(f):
+    out, pullback = jax.vjp(lambda q, kk, v: f(q, kk, v, seg, pos), q, kk, v)
+    return (out, *pullback(dout))
+
+  got = jax.jit(lambda: vjp(fn))()
+  want = jax.jit(lambda: vjp(lambda q, kk, v, s, p: kernels.reference(q, kk, v, s, s, p, p)))()
+  for g, w in zip(got, want):
+    assert float(jnp.abs(g - w).max()) <= 1e-5 * max(1.0, float(jnp.abs(w).max()))
+
+
+@pytest.mark.slow
+def test_splash_under_ulysses_in_interpret_mode():
+  b, t = 2, 512
+  seg = np.ones((b, t), np.int32)
+  seg[:, 200:] = 2
+  seg[1, 60:] = 3
+  pos = np.stack([np.concatenate([np.arange(200), np.arange(312)]),
+                  np.concatenate([np.arange(60), np.arange(452)])]).astype(np.int32)
+  _strategy_against_reference("ulysses", "splash", make_mesh(fsdp=2, context=4), b, t, 8, 4, 128, seg, pos, 128)
+
+
+def test_cudnn_kernel_wrapper_under_all_gather():
+  rng = np.random.default_rng(5)
+  seg, pos = packed(rng, 2, 64)
+  _strategy_against_reference("all_gather", "cudnn", make_mesh(fsdp=2, context=4), 2, 64, 4, 2, 16, seg, pos)

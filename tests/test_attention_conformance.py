@@ -1,0 +1,177 @@
+"""Every context-parallel strategy, forward and dq/dk/dv, against the dense float32 reference on one device.
+
+The matrix: strategies {all_gather, ulysses, ring, usp 2×R, usp 4×R} × meshes {context=8; fsdp=2×context=4;
+data=2×context=2×tensor=2} × heads {N=K; N=4K; one KV head} × masks {causal; packed documents} × layout {natural;
+zigzag}. Masks and layouts are data, not shapes, so each (strategy, mesh, heads, dtype) compiles once and runs all
+four. Combinations a strategy cannot run must be refused by `validate` with the expected sentence. The fast set runs
+each strategy on context=8 with packed documents, GQA and zigzag; the full matrix is `slow`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import maxctx.attention as attention
+from maxctx import sharding
+from maxctx.attention import kernels, layout
+from maxctx.errors import ConfigError
+
+B, T, H = 2, 128, 16
+BLOCK = 8   # small tiles, so documents shorter than a block and tile skipping are both exercised
+MESHES = {"ctx8": (1, 1, 8, 1), "fsdp2_ctx4": (1, 2, 4, 1), "data2_ctx2_tp2": (2, 1, 2, 2)}
+HEADS = {"mha": (8, 8), "gqa4": (16, 4), "kv1": (8, 1)}
+STRATEGIES = {"all_gather": ("all_gather", None), "ulysses": ("ulysses", None), "ring": ("ring", None),
+              "usp2": ("usp", 2), "usp4": ("usp", 4)}
+MASKS = ("causal", "packed")
+TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+
+
+def make_mesh(shape):
+  return Mesh(np.array(jax.devices()[:int(np.prod(shape))]).reshape(shape), ("data", "fsdp", "context", "tensor"))
+
+
+def doc_ids(rng, with_padding):
+  """Segment ids and positions of one packed row: short documents (some shorter than a block), one document long
+  enough to span every device, more short ones, and optionally a padding tail (segment 0)."""
+  lengths = list(rng.integers(1, BLOCK, size=3)) + [T - 40]
+  while sum(lengths) < T - (5 if with_padding else 0):
+    lengths.append(int(rng.integers(1, 2 * BLOCK)))
+  seg, pos = [], []
+  for i, n in enumerate(lengths):
+    seg += [i + 1] * n
+    pos += list(range(n))
+  seg, pos = np.array(seg[:T]), np.array(pos[:T])
+  if with_padding:
+    seg = np.concatenate([seg, np.zeros(T - len(seg), int)])
+    pos = np.concatenate([pos, np.zeros(T - len(pos), int)])
+  return seg, pos
+
+
+def tokens(mask, seed=0):
+  if mask == "causal":
+    return np.ones((B, T), np.int32), np.tile(np.arange(T, dtype=np.int32), (B, 1))
+  rng = np.random.default_rng(seed)
+  rows = [doc_ids(rng, with_padding=(b == 0)) for b in range(B)]
+  return np.stack([r[0] for r in rows]).astype(np.int32), np.stack([r[1] for r in rows]).astype(np.int32)
+
+
+def tensors(n_heads, kv_heads, dtype, seed=0):
+  """q, k, v and an output cotangent, rounded to `dtype` and returned in float32 numpy (the reference's inputs)."""
+  rng = np.random.default_rng(seed)
+  shapes = [(B, T, n_heads, H), (B, T, kv_heads, H), (B, T, kv_heads, H), (B, T, n_heads, H)]
+  return [np.asarray(jnp.asarray(rng.normal(size=s), dtype).astype(jnp.float32)) for s in shapes]
+
+
+@functools.cache
+def _reference_vjp():
+  def run(q, k, v, seg, pos, dout):
+    out, pullback = jax.vjp(lambda q, k, v: kernels.reference(q, k, v, seg, seg, pos, pos), q, k, v)
+    return (out, *pullback(dout))
+  return jax.jit(run)
+
+
+@functools.cache
+def reference(n_heads, kv_heads, dtype, mask):
+  q, k, v, dout = tensors(n_heads, kv_heads, dtype)
+  seg, pos = tokens(mask)
+  with jax.default_device(jax.devices()[0]):
+    return [np.asarray(x) for x in _reference_vjp()(q, k, v, seg, pos, dout)]
+
+
+def expected_refusal(strategy, degree, mesh_shape, n_heads, kv_heads):
+  """The start of the sentence `validate` must raise for an impossible combination, or None."""
+  context, tensor = mesh_shape[2], mesh_shape[3]
+  if n_heads % tensor or kv_heads % tensor:
+    return "the tensor axis"
+  if degree is not None and context % degree:
+    return f"attention.ulysses_degree {degree} does not divide"
+  a2a = context if strategy == "ulysses" else degree
+  if a2a and (n_heads // tensor) % a2a:
+    return f"attention.strategy {strategy} splits"
+  return None
+
+
+def check(strategy_key, mesh_key, heads_key, dtype=jnp.float32, masks=MASKS, zigzag=(False, True)):
+  strategy, degree = STRATEGIES[strategy_key]
+  mesh_shape = MESHES[mesh_key]
+  n_heads, kv_heads = HEADS[heads_key]
+  context, tensor = mesh_shape[2], mesh_shape[3]
+  problem = attention.Problem(context=context, tensor=tensor, n_heads=n_heads, n_kv_heads=kv_heads, seq_len=T,
+                              kernel="blockwise", load_balance=True, ulysses_degree=degree)
+  refusal = expected_refusal(strategy, degree, mesh_shape, n_heads, kv_heads)
+  if refusal:
+    with pytest.raises(ConfigError, match="^" + refusal):
+      attention.validate(strategy, problem)
+    return
+  attention.validate(strategy, problem)
+
+  mesh = make_mesh(mesh_shape)
+  fn = attention.build(strategy, mesh, ulysses_degree=degree, block_q=BLOCK, block_kv=BLOCK)
+
+  @jax.jit
+  def run(q, k, v, seg, pos, dout):
+    out, pullback = jax.vjp(lambda q, k, v: fn(q, k, v, seg, pos), q, k, v)
+    return (out, *pullback(dout))
+
+  heads_sharding = NamedSharding(mesh, P(sharding.BATCH_AXES, sharding.SEQ_AXIS, sharding.HEAD_AXIS, None))
+  token_sharding = NamedSharding(mesh, P(sharding.BATCH_AXES, sharding.SEQ_AXIS))
+  q, k, v, dout = tensors(n_heads, kv_heads, dtype)
+  for mask in masks:
+    want = reference(n_heads, kv_heads, dtype, mask)
+    seg, pos = tokens(mask)
+    for zz in zigzag:
+      arrays = [q, k, v, seg, pos, dout]
+      if zz:
+        arrays = [layout.zigzag(x, context) for x in arrays]
+      args = [jax.device_put(jnp.asarray(x, dtype), heads_sharding) for x in arrays[:3]]
+      args += [jax.device_put(x, token_sharding) for x in arrays[3:5]]
+      args += [jax.device_put(jnp.asarray(arrays[5], dtype), heads_sharding)]
+      got = [np.asarray(x.astype(jnp.float32)) for x in run(*args)]
+      if zz:
+        got = [layout.unzigzag(x, context) for x in got]
+      for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        scale = max(1.0, float(np.abs(w).max()))
+        err = float(np.abs(g - w).max())
+        assert err <= TOLERANCE[dtype] * scale, (
+            f"{strategy_key} {mesh_key} {heads_key} {mask} zigzag={zz} {jnp.dtype(dtype).name}: {name} max abs "
+            f"error {err:.3g} > {TOLERANCE[dtype]} × {scale:.3g}")
+
+
+@pytest.mark.parametrize("strategy_key", list(STRATEGIES))
+def test_fast_context8_packed_gqa_zigzag(strategy_key):
+  check(strategy_key, "ctx8", "gqa4", masks=("packed",), zigzag=(True,))
+
+
+@pytest.mark.parametrize("strategy_key", ["ring", "usp2"])
+def test_fast_bfloat16(strategy_key):
+  check(strategy_key, "ctx8", "gqa4", jnp.bfloat16, masks=("packed",), zigzag=(True,))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("heads_key", list(HEADS))
+@pytest.mark.parametrize("mesh_key", list(MESHES))
+@pytest.mark.parametrize("strategy_key", list(STRATEGIES))
+def test_matrix_float32(strategy_key, mesh_key, heads_key):
+  check(strategy_key, mesh_key, heads_key)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh_key", list(MESHES))
+@pytest.mark.parametrize("strategy_key", list(STRATEGIES))
+def test_matrix_bfloat16(strategy_key, mesh_key):
+  check(strategy_key, mesh_key, "gqa4", jnp.bfloat16, masks=("packed",))
+
+
+def test_refusals_are_expected():
+  """The matrix's impossible combinations exist (so the refusal path is exercised) and are the ones we expect."""
+  refused = {(s, m, h) for s, (name, degree) in STRATEGIES.items() for m, shape in MESHES.items()
+             for h, heads in HEADS.items() if expected_refusal(name, degree, shape, *heads)}
+  assert ("usp4", "data2_ctx2_tp2", "mha") in refused
+  assert ("ring", "data2_ctx2_tp2", "kv1") in refused
+  assert not any(m == "ctx8" for _, m, _ in refused)
