@@ -250,3 +250,37 @@ def test_restore_refuses_a_state_from_other_settings(sp_model, corpus):
   with pytest.raises(CheckpointError, match=r"saved with seq_len=64 but this run has 128"):
     build(config("data.source=jsonl", f"data.path={corpus}/a.jsonl", f"data.tokenizer={sp_model}",
                  "data.seq_len=128")).restore(state)
+
+
+@pytest.mark.slow
+def test_worker_processes_resume_exactly(tmp_path):
+  rng = np.random.default_rng(0)
+  with open(tmp_path / "t.jsonl", "w") as f:
+    for _ in range(200):
+      f.write(json.dumps({"ids": rng.integers(1, 512, rng.integers(3, 100)).tolist()}) + "\n")
+  c = config("data.source=jsonl", f"data.path={tmp_path}/t.jsonl", "data.text_field=ids", "data.num_workers=2")
+  p = build(c)
+  full = [host(next(p)) for _ in range(10)]
+  p.close()
+  p = build(c)
+  for _ in range(7):
+    next(p)
+  state = json.loads(json.dumps(p.state()))
+  p.close()
+  p = build(c)
+  p.restore(state)
+  for i in range(3):
+    b = host(next(p))
+    for k in FIELDS:
+      np.testing.assert_array_equal(b[k], full[7 + i][k])
+  p.close()
+
+
+def test_tfds_without_the_extra_says_how_to_install(tmp_path):
+  try:
+    import tensorflow_datasets  # noqa: F401
+    pytest.skip("tensorflow-datasets is installed")
+  except ImportError:
+    pass
+  with pytest.raises(ConfigError, match=r"data.source=tfds needs tensorflow-datasets; install the extra"):
+    build(config("data.source=tfds", f"data.path={tmp_path}"))

@@ -18,6 +18,7 @@ restore it into the process with the same index on the same mesh.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import logging
 import math
@@ -91,6 +92,9 @@ class Pipeline(Iterator[dict[str, jax.Array]]):
     self._dataset, self._bad = dataset.local_dataset(config, self.rows, mesh.shape[sharding.SEQ_AXIS])
     self._iter = iter(self._dataset)
     self._step = 0
+    if d.num_workers:
+      # Worker processes and their shared memory must go before the interpreter tears down the modules they use.
+      atexit.register(self.close)
     log.info("data: %s, %d × %d tokens per batch; this process makes rows %s", d.source, d.batch_size, d.seq_len,
              _ranges(self.rows))
 
@@ -107,6 +111,10 @@ class Pipeline(Iterator[dict[str, jax.Array]]):
 
   def __next__(self) -> dict[str, jax.Array]:
     return to_global(self.host_batch(), self.rows, self._sharding, self._shape)
+
+  def close(self) -> None:
+    """Stops grain's worker processes (data.num_workers > 0); the pipeline cannot be used afterwards."""
+    self._iter.close()
 
   def _fingerprint(self) -> dict:
     d = self._config.data

@@ -103,5 +103,9 @@ def local_dataset(config: Config, rows: Sequence[int], context: int) -> tuple[gr
     streams = _rows_of_documents(source, config, Encode(tok, config.model.vocab_size), rows)
   ds = grain.experimental.ZipIterDataset(streams).map(Stack(context if config.attention.load_balance else None))
   if d.num_workers > 0:
+    # grain's worker processes read absl flags; maxctx has no absl main to parse them, so take the defaults.
+    from absl import flags
+    if not flags.FLAGS.is_parsed():
+      flags.FLAGS.mark_as_parsed()
     ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=d.num_workers))
   return ds, bad
