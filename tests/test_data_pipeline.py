@@ -242,6 +242,24 @@ def test_resume_in_a_new_process_is_exact(sp_model, corpus, tmp_path, packing, s
       assert resumed[f"{k}{i}"].tobytes() == full[7 + i][k].tobytes(), (k, 8 + i)
 
 
+def test_state_restores_onto_another_mesh(corpus, sp_model):
+  over = ["data.source=jsonl", f"data.path={corpus}/a.jsonl", f"data.tokenizer={sp_model}",
+          "attention.load_balance=true"]
+  p = build(config(*over))
+  for _ in range(3):
+    next(p)
+  state = json.loads(json.dumps(p.state()))
+  other = ["mesh.ici.fsdp=1", "mesh.ici.context=8"]
+  full = build(config(*over, *other))
+  expected = [host(next(full)) for _ in range(5)][3:]
+  q = build(config(*over, *other))
+  q.restore(state)
+  for e in expected:
+    b = host(next(q))
+    for k in FIELDS:
+      np.testing.assert_array_equal(b[k], e[k])
+
+
 def test_restore_refuses_a_state_from_other_settings(sp_model, corpus):
   c = config("data.source=jsonl", f"data.path={corpus}/a.jsonl", f"data.tokenizer={sp_model}")
   p = build(c)
@@ -284,3 +302,12 @@ def test_tfds_without_the_extra_says_how_to_install(tmp_path):
     pass
   with pytest.raises(ConfigError, match=r"data.source=tfds needs tensorflow-datasets; install the extra"):
     build(config("data.source=tfds", f"data.path={tmp_path}"))
+
+
+def test_restore_refuses_a_state_without_this_process_rows():
+  p = build(config("data.source=synthetic"))
+  next(p)
+  state = p.state()
+  del state["iterator"]["by_row"]["5"]
+  with pytest.raises(CheckpointError, match=r"holds rows 0,1,2,3,4,6,7 but this process makes rows 0–7"):
+    build(config("data.source=synthetic")).restore(state)

@@ -12,8 +12,9 @@ data×fsdp and sequence over context; with `attention.load_balance` every array 
 
 Each process makes only the rows of the global batch that its devices hold (dataset.py explains how rows stay the
 same for any process count) and hands each device its slice; no process ever builds the whole global batch. The
-state is per process: with several processes, save each process's `state()` (e.g. under its process index) and
-restore it into the process with the same index on the same mesh.
+state is per process and keyed by row: with several processes, save each process's `state()` (grain's checkpoint
+handler does) and restore it into a process that makes the same rows; one process holds every row, so its state
+restores onto any mesh.
 """
 
 from __future__ import annotations
@@ -117,15 +118,21 @@ class Pipeline(Iterator[dict[str, jax.Array]]):
     self._iter.close()
 
   def _fingerprint(self) -> dict:
+    # What decides the stream of rows. Not the mesh: the layout is applied to each batch as it is made, and rows do
+    # not depend on which process makes them.
     d = self._config.data
     keys = ("source", "path", "seq_len", "batch_size", "tokenizer", "packing", "long_documents", "shuffle",
             "num_workers")
-    return {**{k: getattr(d, k) for k in keys}, "seed": self._config.run.seed,
-            "load_balance": self._config.attention.load_balance, "context": self._mesh.shape[sharding.SEQ_AXIS]}
+    return {**{k: getattr(d, k) for k in keys}, "seed": self._config.run.seed}
 
   def state(self) -> dict:
+    it = self._iter.get_state()
+    if not self._config.data.num_workers:
+      # Keyed by row, so a state restores on another mesh as long as it holds the rows the new process makes (a
+      # single process always does). Worker processes interleave rows in their own state and cannot be re-keyed.
+      it = {"by_row": {str(r): s for r, s in zip(self.rows, it["parents"], strict=True)}}
     return {"version": STATE_VERSION, "step": self._step, "rows": list(self.rows), "config": self._fingerprint(),
-            "iterator": self._iter.get_state()}
+            "iterator": it}
 
   def restore(self, state: dict) -> None:
     if state.get("version") != STATE_VERSION:
@@ -136,10 +143,18 @@ class Pipeline(Iterator[dict[str, jax.Array]]):
       if saved.get(k) != now[k]:
         raise CheckpointError(f"the data iterator state was saved with {k}={saved.get(k)!r} but this run has "
                               f"{now[k]!r}; resume with the same data settings or set checkpoint.resume=never.")
-    if list(state["rows"]) != list(self.rows):
+    it = state["iterator"]
+    if "by_row" in it:
+      have = {int(r) for r in it["by_row"]}
+      if not set(self.rows) <= have:
+        raise CheckpointError(f"the data iterator state holds rows {_ranges(sorted(have))} but this process makes "
+                              f"rows {_ranges(self.rows)}; restore each process's own state, or resume on a mesh "
+                              "whose processes make the same rows.")
+      it = {"parents": [it["by_row"][str(r)] for r in self.rows]}
+    elif list(state["rows"]) != list(self.rows):
       raise CheckpointError(f"the data iterator state holds rows {_ranges(state['rows'])} but this process makes "
-                            f"rows {_ranges(self.rows)}; restore each process's own state on the same mesh.")
-    self._iter.set_state(state["iterator"])
+                            f"rows {_ranges(self.rows)}; with data.num_workers > 0 resume on the same mesh.")
+    self._iter.set_state(it)
     self._step = int(state["step"])
 
 
