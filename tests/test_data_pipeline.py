@@ -311,3 +311,21 @@ def test_restore_refuses_a_state_without_this_process_rows():
   del state["iterator"]["by_row"]["5"]
   with pytest.raises(CheckpointError, match=r"holds rows 0,1,2,3,4,6,7 but this process makes rows 0–7"):
     build(config("data.source=synthetic")).restore(state)
+
+
+@pytest.mark.slow
+def test_stdlib_source_trains_and_caches_its_tokenizer(tmp_path, monkeypatch, caplog):
+  monkeypatch.setenv("MAXCTX_CACHE", str(tmp_path))
+  c = config("data.source=stdlib", "attention.load_balance=true")
+  with caplog.at_level("INFO", logger="maxctx.data"):
+    b = host(next(build(c)))
+  assert "training a 512-token SentencePiece" in caplog.text
+  assert list(tmp_path.glob("tokenizers/stdlib-py*-bpe512.model"))
+  check_contract(b, 64, context=4)
+  assert b["tokens"].max() < 512
+  caplog.clear()
+  with caplog.at_level("INFO", logger="maxctx.data"):
+    again = host(next(build(c)))
+  assert "training" not in caplog.text, "the cached tokenizer is reused"
+  for k in FIELDS:
+    np.testing.assert_array_equal(b[k], again[k])
