@@ -283,15 +283,13 @@ def _strategy_against_reference(strategy, kernel, mesh, b, t, n, k, h, seg, pos,
     assert float(jnp.abs(g - w).max()) <= 1e-5 * max(1.0, float(jnp.abs(w).max()))
 
 
-@pytest.mark.slow
 def test_splash_under_ulysses_in_interpret_mode():
-  b, t = 2, 512
+  """Two documents, natural layout; the Pallas interpreter is slow, so the grid is kept to a few tiles."""
+  b, t = 1, 256
   seg = np.ones((b, t), np.int32)
-  seg[:, 200:] = 2
-  seg[1, 60:] = 3
-  pos = np.stack([np.concatenate([np.arange(200), np.arange(312)]),
-                  np.concatenate([np.arange(60), np.arange(452)])]).astype(np.int32)
-  _strategy_against_reference("ulysses", "splash", make_mesh(fsdp=2, context=4), b, t, 8, 4, 128, seg, pos, 128)
+  seg[:, 100:] = 2
+  pos = np.concatenate([np.arange(100), np.arange(156)])[None].astype(np.int32)
+  _strategy_against_reference("ulysses", "splash", make_mesh(context=2), b, t, 2, 1, 128, seg, pos, 128)
 
 
 def test_cudnn_kernel_wrapper_under_all_gather():

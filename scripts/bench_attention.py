@@ -1,0 +1,165 @@
+"""Context-parallel attention: forward and forward+backward median time and per-device temp memory, per strategy and
+kernel, with the `ringattention` PyPI package (0.1.2) as a baseline row.
+
+  python scripts/bench_attention.py                                  # B=1, T=8192, N=K=8, H=64, causal, f32, context=8
+  python scripts/bench_attention.py --strategies ring usp --kernels blockwise --json out.json
+  python scripts/bench_attention.py --seq-len 65536 --iters 3 --no-baseline
+
+On a CPU host it fakes `--context` devices (XLA_FLAGS) before JAX starts. Temp memory is the compiled
+forward+backward's `memory_analysis().temp_size_in_bytes` per device. Timings belong here, never in tests.
+Target at the default shape: ring forward+backward ≤ 0.6 × ringattention's time, and per-device temp no larger.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--batch", type=int, default=1)
+  p.add_argument("--seq-len", type=int, default=8192)
+  p.add_argument("--heads", type=int, default=8)
+  p.add_argument("--kv-heads", type=int, default=8)
+  p.add_argument("--head-dim", type=int, default=64)
+  p.add_argument("--context", type=int, default=8)
+  p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+  p.add_argument("--strategies", nargs="+", default=["all_gather", "ulysses", "ring", "usp"])
+  p.add_argument("--kernels", nargs="+", default=["blockwise"])
+  p.add_argument("--ulysses-degree", type=int, default=2, help="usp's all-to-all group size")
+  p.add_argument("--block-q", type=int, default=512)
+  p.add_argument("--block-kv", type=int, default=512)
+  p.add_argument("--load-balance", action="store_true", help="zigzag layout (ours only; the baseline cannot)")
+  p.add_argument("--iters", type=int, default=5)
+  p.add_argument("--no-baseline", action="store_true")
+  p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+  return p.parse_args(argv)
+
+
+def setup_devices(context: int) -> None:
+  if os.environ.get("JAX_PLATFORMS", "cpu") == "cpu":
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={context}"
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def main(argv=None) -> list[dict]:
+  args = parse_args(argv)
+  setup_devices(args.context)
+
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+  import maxctx.attention as attention
+  from maxctx import sharding
+  from maxctx.attention import layout
+
+  b, t, n, k, h = args.batch, args.seq_len, args.heads, args.kv_heads, args.head_dim
+  dtype = jnp.dtype(args.dtype)
+  devices = np.array(jax.devices()[:args.context]).reshape(1, 1, args.context, 1)
+  mesh = Mesh(devices, ("data", "fsdp", "context", "tensor"))
+  heads = NamedSharding(mesh, P(sharding.BATCH_AXES, sharding.SEQ_AXIS, sharding.HEAD_AXIS, None))
+  toks = NamedSharding(mesh, P(sharding.BATCH_AXES, sharding.SEQ_AXIS))
+  rng = np.random.default_rng(0)
+  seg = np.ones((b, t), np.int32)
+  pos = np.tile(np.arange(t, dtype=np.int32), (b, 1))
+  if args.load_balance:
+    pos = layout.zigzag(pos, args.context)
+  q = jax.device_put(jnp.asarray(rng.normal(size=(b, t, n, h)), dtype), heads)
+  kk = jax.device_put(jnp.asarray(rng.normal(size=(b, t, k, h)), dtype), heads)
+  v = jax.device_put(jnp.asarray(rng.normal(size=(b, t, k, h)), dtype), heads)
+  seg, pos = jax.device_put(seg, toks), jax.device_put(pos, toks)
+
+  def measure(label, kernel, fn):
+    fwd = jax.jit(fn)
+    loss = lambda q, kk, v, s, p: jnp.sum(fn(q, kk, v, s, p).astype(jnp.float32))  # noqa: E731
+    fwd_bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    compiled = fwd_bwd.lower(q, kk, v, seg, pos).compile()
+    temp = compiled.memory_analysis().temp_size_in_bytes
+
+    def timed(f):
+      jax.block_until_ready(f(q, kk, v, seg, pos))   # compile and warm up
+      times = []
+      for _ in range(args.iters):
+        start = time.perf_counter()
+        jax.block_until_ready(f(q, kk, v, seg, pos))
+        times.append(time.perf_counter() - start)
+      return 1e3 * statistics.median(times)
+
+    row = dict(strategy=label, kernel=kernel, fwd_ms=timed(fwd), fwd_bwd_ms=timed(compiled),
+               temp_mib=temp / 2**20)
+    print(f"{row['strategy']:<22} {row['kernel']:<10} {row['fwd_ms']:>10.1f} {row['fwd_bwd_ms']:>12.1f} "
+          f"{row['temp_mib']:>10.1f}", flush=True)
+    return row
+
+  print(f"B={b} T={t} N={n} K={k} H={h} causal {args.dtype} context={args.context} "
+        f"load_balance={args.load_balance} on {jax.devices()[0].platform}")
+  print(f"{'strategy':<22} {'kernel':<10} {'fwd ms':>10} {'fwd+bwd ms':>12} {'temp MiB':>10}")
+  rows = []
+  for strategy in args.strategies:
+    degree = args.ulysses_degree if strategy == "usp" else None
+    label = f"usp {degree}x{args.context // degree}" if degree else strategy
+    for kernel in args.kernels:
+      problem = attention.Problem(context=args.context, tensor=1, n_heads=n, n_kv_heads=k, seq_len=t, kernel=kernel,
+                                  load_balance=args.load_balance, ulysses_degree=degree, block_q=args.block_q,
+                                  block_kv=args.block_kv)
+      try:
+        attention.validate(strategy, problem)
+      except Exception as err:  # noqa: BLE001  (a refused combination is a row, not a crash)
+        print(f"{label:<22} {kernel:<10} refused: {err}")
+        continue
+      fn = attention.build(strategy, mesh, kernel=kernel, load_balance=args.load_balance, ulysses_degree=degree,
+                           block_q=args.block_q, block_kv=args.block_kv)
+      rows.append(measure(label, kernel, fn))
+  if not args.no_baseline:
+    if args.load_balance or k != n:
+      print("ringattention baseline skipped: it needs the natural layout and N = K")
+    else:
+      rows.append(measure("ringattention 0.1.2", "jax", baseline(mesh, args, dtype)))
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(dict(shape=dict(batch=b, seq_len=t, heads=n, kv_heads=k, head_dim=h, dtype=args.dtype,
+                                context=args.context, load_balance=args.load_balance), rows=rows), f, indent=2)
+  return rows
+
+
+def baseline(mesh, args, dtype):
+  """ringattention's blockwise JAX ring (its CPU path) under the same shard_map, causal via its block-causal mask."""
+  import functools
+  import types
+
+  import jax
+  import jax.extend
+  from jax.sharding import PartitionSpec as P
+
+  from maxctx import sharding
+
+  # ringattention 0.1.2 reads the platform through jax.lib.xla_bridge, which moved to jax.extend.backend.
+  if not hasattr(jax.lib, "xla_bridge"):
+    jax.lib.xla_bridge = types.SimpleNamespace(get_backend=jax.extend.backend.get_backend)
+  from ringattention import ringattention_jax
+
+  kwargs = dict(causal_block_size=1, deterministic=True, dropout_rng=None, attn_pdrop=0.0,
+                query_chunk_size=min(args.block_q, args.seq_len // args.context),
+                key_chunk_size=min(args.block_kv, args.seq_len // args.context), dtype=dtype,
+                policy=jax.checkpoint_policies.nothing_saveable, precision=None, prevent_cse=True)
+  heads = P(sharding.BATCH_AXES, sharding.SEQ_AXIS, sharding.HEAD_AXIS, None)
+  tokens = P(sharding.BATCH_AXES, sharding.SEQ_AXIS)
+
+  @functools.partial(jax.shard_map, mesh=mesh, in_specs=(heads, heads, heads, tokens, tokens), out_specs=heads,
+                     check_vma=False)
+  def attend(q, k, v, segment_ids, positions):
+    del positions
+    return ringattention_jax(q, k, v, None, segment_ids, None, sharding.SEQ_AXIS, True, kwargs)
+
+  return attend
+
+
+if __name__ == "__main__":
+  sys.exit(0 if main() is not None else 1)
