@@ -132,6 +132,19 @@ class MetricsConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class EvalConfig:
+  every_steps: int
+  tasks: str
+  lengths: str
+  depths: str
+  samples: int
+  batch_size: int
+  seed: int
+  files: str
+  output_dir: str
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
   run: RunConfig
   model: ModelConfig
@@ -141,6 +154,7 @@ class Config:
   optim: OptimConfig
   checkpoint: CheckpointConfig
   metrics: MetricsConfig
+  eval: EvalConfig
 
   def to_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)

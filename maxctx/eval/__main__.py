@@ -1,0 +1,89 @@
+"""Long-context evaluation: `python -m maxctx.eval CONFIG [section.key=value ...] [--tasks ...] [--lengths ...] ...`.
+
+    python -m maxctx.eval configs/demo-passkey.yml checkpoint.load_params=runs/demo-passkey/params \\
+        --tasks passkey,niah_multikey --lengths 1k,4k,16k --depths 0,0.25,0.5,0.75,1 --samples 8
+
+Scores the parameters of checkpoint.load_params with the run's model, mesh and CP strategy, and writes eval.jsonl,
+eval.md and one <task>.png heatmap per task to eval.output_dir (default <run.output_dir>/eval). Flags replace the
+matching eval.* keys. `--train` first trains the run on generated passkey data (the passkey demo) and then evaluates
+the parameters it trained.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import pathlib
+import sys
+
+import jax
+
+from maxctx import config as config_lib
+from maxctx import mesh as mesh_lib
+from maxctx import sharding
+from maxctx.errors import MaxctxError
+from maxctx.eval import params as params_lib
+from maxctx.eval import report, sweep as sweep_lib, train_passkey
+from maxctx.trainer import validate
+
+log = logging.getLogger("maxctx.eval")
+
+
+def _parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(prog="python -m maxctx.eval", description=__doc__.split("\n\n")[0],
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("config", help="the run's YAML file (e.g. configs/demo-passkey.yml)")
+  p.add_argument("overrides", nargs="*", help="section.key=value, e.g. checkpoint.load_params=DIR")
+  p.add_argument("--tasks", help="comma-separated tasks (replaces eval.tasks; '' for task files only)")
+  p.add_argument("--lengths", help="comma-separated lengths in tokens, e.g. 1k,4k,16k (replaces eval.lengths)")
+  p.add_argument("--depths", help="comma-separated needle depths in [0, 1] (replaces eval.depths)")
+  p.add_argument("--samples", type=int, help="examples per (task, length, depth) (replaces eval.samples)")
+  p.add_argument("--files", help="comma-separated JSONL task files of {context, question, answer} (eval.files)")
+  p.add_argument("--out", help="output directory (replaces eval.output_dir)")
+  p.add_argument("--train", action="store_true", help="train the run on generated passkey data first (the demo)")
+  return p
+
+
+def run(config: config_lib.Config, plan: sweep_lib.Plan, out_dir: pathlib.Path, train: bool = False) -> list[dict]:
+  devices = jax.devices()
+  validate(config, len(devices), mesh_lib.num_slices_of(devices))
+  mesh = mesh_lib.build_mesh(config.mesh, devices)
+  with jax.set_mesh(mesh):
+    sweep = sweep_lib.Sweep(config, mesh, plan)  # every example is made and checked here, before compiling
+    if train:
+      during = sweep_lib.Sweep(config, mesh, sweep_lib.Plan.from_config(config)) if config.eval.every_steps else None
+      params = train_passkey.run(config, mesh, during)
+    else:
+      params = params_lib.load(config, sweep.scorer.model, mesh)
+    records = sweep.run(params)
+  title = f"maxctx eval: {config.run.name} ({config.attention.strategy}, {mesh.shape[sharding.SEQ_AXIS]}-way CP)"
+  if jax.process_index() == 0:
+    written = report.write(records, out_dir, title)
+    log.info("eval: %s", sweep_lib.summary(records))
+    log.info("eval: wrote %s", ", ".join(str(p) for p in written))
+  return records
+
+
+def main(argv: list[str] | None = None) -> int:
+  args = _parser().parse_intermixed_args(sys.argv[1:] if argv is None else argv)
+  # maxctx at INFO; libraries (Orbax logs every array it writes) only when they warn.
+  logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s", datefmt="%H:%M:%S", stream=sys.stdout,
+                      force=True)
+  logging.getLogger("maxctx").setLevel(logging.INFO)
+  try:
+    config = config_lib.load(args.config, args.overrides)
+    plan = sweep_lib.Plan.from_config(config, tasks=args.tasks, lengths=args.lengths, depths=args.depths,
+                                      samples=args.samples, files=args.files)
+    out_dir = pathlib.Path(args.out or config.eval.output_dir or pathlib.Path(config.run.output_dir) / "eval")
+    run(config, plan, out_dir, train=args.train)
+  except MaxctxError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  except KeyboardInterrupt:
+    print("interrupted", file=sys.stderr)
+    return 130
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

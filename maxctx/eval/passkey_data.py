@@ -1,0 +1,31 @@
+"""Training rows of generated passkey examples, for the passkey demo (configs/demo-passkey.yml).
+
+Each row is one example of exactly seq_len + 1 tokens (seq_len (token, target) pairs, no padding) with the needle at a
+uniformly random depth. Row r of batch i is a pure function of (seed, i, r) like maxctx.data.synthetic's rows, so a
+process makes only its rows and resuming reproduces the data. Training examples use seeds the evaluation never uses
+(`TRAIN_SALT`), so the demo's accuracy is measured on passkeys the model has not seen.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from maxctx.data.packing import FIELDS
+from maxctx.eval import tasks
+
+TRAIN_SALT = 1 << 30
+
+
+def row(pieces: tasks.Pieces, seed: int, index: int, r: int, seq_len: int) -> dict[str, np.ndarray]:
+  """Row r of batch `index`: {tokens, targets, segment_ids, positions}, int32 [seq_len]."""
+  rng = np.random.default_rng([seed, index, r, TRAIN_SALT])
+  depth = float(rng.random())
+  e = tasks.generate("passkey", pieces, seq_len + 1, depth, int(rng.integers(1 << 31)), seed + TRAIN_SALT)
+  doc = np.concatenate([e.prompt, e.answer])
+  return dict(zip(FIELDS, (doc[:-1], doc[1:], np.ones(seq_len, np.int32), np.arange(seq_len, dtype=np.int32))))
+
+
+def batch(pieces: tasks.Pieces, seed: int, index: int, rows: list[int], seq_len: int) -> dict[str, np.ndarray]:
+  """The given rows of batch `index`, stacked: {field: int32 [len(rows), seq_len]}."""
+  out = [row(pieces, seed, index, r, seq_len) for r in rows]
+  return {k: np.stack([x[k] for x in out]) for k in FIELDS}

@@ -1,0 +1,167 @@
+"""A sweep: tasks × lengths × depths × samples (plus local task files), generated, checked and scored.
+
+Everything a user can get wrong (task names, lengths the mesh cannot split or the task cannot fit, a tokenizer that
+does not fit the model, unreadable task files) is found when the sweep is built, before anything compiles: every
+example is generated up front, which costs milliseconds per example.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+import time
+from typing import Sequence
+
+from jax.sharding import Mesh
+
+from maxctx.config import Config
+from maxctx.data import tokenizers
+from maxctx.errors import ConfigError
+from maxctx.eval import local, scoring, tasks
+
+log = logging.getLogger("maxctx.eval")
+
+# Training a SentencePiece model on the standard library is quick only for small vocabularies.
+MAX_STDLIB_VOCAB = 32768
+
+
+def parse_lengths(text: str, where: str) -> list[int]:
+  """`1k,4k,16k` → [1024, 4096, 16384]; k = 2^10, m = 2^20; plain numbers are tokens."""
+  out = []
+  for part in (p.strip().lower() for p in text.split(",") if p.strip()):
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([km]?)", part)
+    if not m:
+      raise ConfigError(f"{where} has length {part!r}; write lengths in tokens like 512, 4k or 1m, comma-separated.")
+    n = float(m.group(1)) * {"": 1, "k": 1 << 10, "m": 1 << 20}[m.group(2)]
+    if n != int(n) or n < 1:
+      raise ConfigError(f"{where} has length {part!r}, which is not a whole number of tokens; use e.g. 1k or 1536.")
+    out.append(int(n))
+  return out
+
+
+def parse_depths(text: str, where: str) -> list[float]:
+  out = []
+  for part in (p.strip() for p in text.split(",") if p.strip()):
+    try:
+      d = float(part)
+    except ValueError:
+      d = -1.0
+    if not 0.0 <= d <= 1.0:
+      raise ConfigError(f"{where} has depth {part!r}; depths are fractions of the filler in [0, 1], e.g. 0,0.5,1.")
+    out.append(d)
+  return out
+
+
+def parse_tasks(text: str, where: str) -> list[str]:
+  names = [p.strip() for p in text.split(",") if p.strip()]
+  tasks.check_tasks(names, where)
+  return names
+
+
+def tokenizer_for(config: Config) -> tokenizers.Tokenizer:
+  """The run's tokenizer; without one (token-id data), the demo's SentencePiece model of the run's vocabulary."""
+  vocab = config.model.vocab_size
+  if config.data.tokenizer:
+    tok = tokenizers.load(config.data.tokenizer)
+  elif vocab <= MAX_STDLIB_VOCAB:
+    tok = tokenizers.stdlib_tokenizer(vocab)
+  else:
+    raise ConfigError(f"evaluation writes text, but this run has no data.tokenizer and model.vocab_size {vocab} is too "
+                      "large to train one here; set data.tokenizer to the model's tokenizer file.")
+  tokenizers.check_fits(tok, vocab)
+  return tok
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """What to score. Built from the `eval` section; the command line's flags replace its keys."""
+  tasks: tuple[str, ...]
+  lengths: tuple[int, ...]
+  depths: tuple[float, ...]
+  samples: int
+  files: tuple[str, ...]
+  seed: int
+  batch_size: int
+
+  @classmethod
+  def from_config(cls, config: Config, *, tasks: str | None = None, lengths: str | None = None,
+                  depths: str | None = None, samples: int | None = None, files: str | None = None) -> Plan:
+    e = config.eval
+    # Messages name where a value came from: the flag if one was given, else the config key.
+    tasks, t_where = (e.tasks, "eval.tasks") if tasks is None else (tasks, "--tasks")
+    lengths, l_where = (e.lengths, "eval.lengths") if lengths is None else (lengths, "--lengths")
+    depths, d_where = (e.depths, "eval.depths") if depths is None else (depths, "--depths")
+    plan = cls(
+        tasks=tuple(parse_tasks(tasks, t_where)),
+        lengths=tuple(parse_lengths(lengths, l_where) if lengths.strip() else [config.data.seq_len]),
+        depths=tuple(parse_depths(depths, d_where)),
+        samples=e.samples if samples is None else samples,
+        files=tuple(p.strip() for p in (e.files if files is None else files).split(",") if p.strip()),
+        seed=e.seed, batch_size=e.batch_size)
+    if plan.samples < 1:
+      raise ConfigError(f"eval samples is {plan.samples}; score at least one example per cell (--samples N).")
+    if plan.tasks and not plan.depths:
+      raise ConfigError("eval depths are empty; give at least one needle depth, e.g. --depths 0,0.5,1.")
+    if not plan.tasks and not plan.files:
+      raise ConfigError("there is nothing to evaluate; name tasks (--tasks passkey) or task files (--files a.jsonl).")
+    return plan
+
+
+class Sweep:
+  """The examples of a plan for a run, and the scorer that runs them on the run's mesh."""
+
+  def __init__(self, config: Config, mesh: Mesh, plan: Plan):
+    self.config, self.plan = config, plan
+    self.tokenizer = tokenizer_for(config)
+    pieces = tasks.Pieces(self.tokenizer)
+    self.scorer = scoring.Scorer(config, mesh, rows=plan.batch_size)
+    for n in plan.lengths:
+      self.scorer.seq_len_for(n, exact=True)  # refuses lengths the context axis cannot split
+    self.examples = tasks.sweep(plan.tasks, plan.lengths, plan.depths, plan.samples, pieces, plan.seed)
+    self.file_examples = [e for f in plan.files for e in local.read(f, pieces)]
+    log.info("eval: %d generated examples (%s at %s tokens, depths %s, %d each) and %d from task files",
+             len(self.examples), ",".join(plan.tasks), ",".join(map(str, plan.lengths)),
+             ",".join(f"{d:g}" for d in plan.depths), plan.samples, len(self.file_examples))
+
+  def run(self, params) -> list[dict]:
+    start = time.monotonic()
+    records = self.scorer.score(params, self.examples, exact=True)
+    if self.file_examples:
+      records += self.scorer.score(params, self.file_examples, exact=False)
+    log.info("eval: scored %d examples in %.1fs", len(records), time.monotonic() - start)
+    return records
+
+
+def accuracy(records: Sequence[dict]) -> dict[tuple[str, int], float]:
+  """Mean accuracy per (task, length)."""
+  cells: dict[tuple[str, int], list[bool]] = {}
+  for r in records:
+    cells.setdefault((r["task"], r["length"]), []).append(r["correct"])
+  return {k: sum(v) / len(v) for k, v in cells.items()}
+
+
+def scalars(records: Sequence[dict]) -> dict[str, float]:
+  """TensorBoard scalars `eval/<task>/<length>` (accuracy over depths) for generated tasks, and per file."""
+  out = {}
+  for (task, length), acc in accuracy([r for r in records if r["depth"] >= 0]).items():
+    out[f"eval/{task}/{length}"] = acc
+  files: dict[str, list[bool]] = {}
+  for r in records:
+    if r["depth"] < 0:
+      files.setdefault(r["task"], []).append(r["correct"])
+  out.update({f"eval/{task}/all": sum(v) / len(v) for task, v in files.items()})
+  return out
+
+
+def during_training(config: Config, mesh: Mesh) -> Sweep | None:
+  """The sweep the training loop runs every eval.every_steps steps (None when it is 0); built before compiling."""
+  if config.eval.every_steps <= 0:
+    return None
+  return Sweep(config, mesh, Plan.from_config(config))
+
+
+def summary(records: Sequence[dict]) -> str:
+  """One line: accuracy per task and length, for logs."""
+  acc = accuracy(records)
+  return "; ".join(f"{t}@{n}: {100 * a:.0f}%" for (t, n), a in sorted(acc.items(), key=lambda kv: (kv[0][0], kv[0][1])))
