@@ -122,6 +122,7 @@ class CheckpointConfig:
   resume: str
   load_params: str
   async_save: bool
+  overwrite: bool
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,6 +15,7 @@ import time
 import jax
 import numpy as np
 
+from maxctx import checkpoint as checkpoint_lib
 from maxctx import config as config_lib
 from maxctx import data as data_lib
 from maxctx import mesh as mesh_lib
@@ -31,72 +32,115 @@ def setup_logging() -> None:
   prefix = f"[process {jax.process_index()}] " if jax.process_count() > 1 else ""
   logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {prefix}%(message)s", datefmt="%H:%M:%S",
                       stream=sys.stdout, force=True)
+  # Orbax and grain log each file they write at INFO through absl; maxctx logs one line per save and restore instead.
+  logging.getLogger("absl").setLevel(logging.WARNING)
 
 
 def run(config: config_lib.Config) -> list[float]:
-  """Trains `config`; returns the loss of every step."""
+  """Trains `config` (resuming its checkpoints as checkpoint.resume says); returns the loss of every step it ran."""
   devices = jax.devices()
   validate(config, len(devices), mesh_lib.num_slices_of(devices))
   mesh = mesh_lib.build_mesh(config.mesh, devices)
   out_dir = pathlib.Path(config.run.output_dir)
+  # Before config.yml is written: a directory holding another run's checkpoints is refused untouched.
+  checkpoints = checkpoint_lib.Checkpoints(config, mesh)
   if jax.process_index() == 0:
     config_lib.save(config, out_dir)
   log.info("resolved config (saved to %s):\n%s", out_dir / "config.yml", config.to_yaml())
   log.info("mesh %s on %d %s device(s)", dict(mesh.shape), len(devices), devices[0].device_kind)
 
   m, d = config.model, config.data
-  flops = metrics_lib.flops_per_step(m, d.batch_size, d.seq_len)
-  peak, peak_source = metrics_lib.peak_tflops_per_device(config.metrics.peak_tflops, m.dtype)
+  reporter = _Reporter(config, len(devices))
   log.info("model %s: %.3gM parameters; %.3g TFLOP per step; peak %.3g TFLOP/s per device (%s)",
-           m.preset or "custom", metrics_lib.param_count(m) / 1e6, flops / 1e12, peak, peak_source)
-
-  writer = metrics_lib.Writer(out_dir / "tensorboard" if config.metrics.tensorboard else None, config.run.steps)
-  losses: list[float] = []
-  with jax.set_mesh(mesh):
+           m.preset or "custom", metrics_lib.param_count(m) / 1e6, reporter.flops / 1e12, reporter.peak,
+           reporter.peak_source)
+  with jax.set_mesh(mesh), checkpoints, checkpoint_lib.Preemption() as preemption, reporter:
     trainer = Trainer(config, mesh)
     pipeline = data_lib.build(config, mesh)
-    state = trainer.init(jax.random.key(config.run.seed))
+    state = checkpoints.restore_or_init(trainer, pipeline)
+    start = int(jax.device_get(state.step))
+    if start >= config.run.steps:
+      log.info("done already: the checkpoint is at step %d and run.steps is %d; raise run.steps to train on.", start,
+               config.run.steps)
+      return []
     pending = None
-    last_time = time.perf_counter()
-    steady: list[float] = []
-    for step in range(config.run.steps):
+    for step in range(start, config.run.steps):
       state, step_metrics = trainer.step(state, next(pipeline))
       if pending is not None:
-        last_time = _report(*pending, config, writer, flops, peak, len(devices), last_time, steady, losses)
+        reporter.report(*pending, checkpoints)
       pending = (step, step_metrics)
-    _report(*pending, config, writer, flops, peak, len(devices), last_time, steady, losses)
+      done = step + 1
+      stop = preemption.requested(done)
+      if stop or checkpoints.due(done):
+        # The save waits for this step's state anyway, so its metrics cost nothing now, and a non-finite step stops
+        # the run before its state is saved: every checkpoint holds a good state.
+        reporter.report(*pending, checkpoints)
+        pending = None
+        checkpoints.save(done, state, pipeline.state(), wait=stop)
+      if stop:
+        log.info("preempted: stopped after step %d; %s; rerun the same command to continue.", done,
+                 checkpoints.last_good())
+        break
+    if pending is not None:
+      reporter.report(*pending, checkpoints)
     jax.block_until_ready(state)
-  writer.close()
-  log.info("done: %d steps, final loss %.4f; TensorBoard: tensorboard --logdir %s", len(losses), losses[-1],
-           out_dir / "tensorboard")
-  return losses
+  if reporter.losses:
+    log.info("done: %d steps, final loss %.4f; TensorBoard: tensorboard --logdir %s", len(reporter.losses),
+             reporter.losses[-1], out_dir / "tensorboard")
+  return reporter.losses
 
 
-def _report(step, step_metrics, config, writer, flops, peak, n_devices, last_time, steady, losses) -> float:
-  """Fetches step `step`'s metrics (the device has moved on to the next step), logs them; returns the fetch time."""
-  values = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
-  now = time.perf_counter()
-  step_time = now - last_time
-  if step > 0:  # step 0 includes compilation
-    steady.append(step_time)
-  if not values.pop("finite"):
-    msg = f"step {step + 1}: loss is {values['loss']} (grad norm {values['grad_norm']})"
-    if config.run.on_nan == "stop":
-      raise MaxctxError(f"{msg}; the run stopped. Lower optim.lr or set run.on_nan=skip to skip such updates.")
-    log.warning("%s; update skipped (run.on_nan=skip).", msg)
-  losses.append(values["loss"])
-  tokens = config.data.batch_size * config.data.seq_len
-  values["step_time"] = step_time
-  values["tokens_per_sec"] = tokens / step_time
-  values["tflops_per_device"] = flops / step_time / n_devices / 1e12
-  values["mfu"] = values["tflops_per_device"] / peak if peak else 0.0
-  values.pop("tokens")
-  n = step + 1
-  if n % config.metrics.log_every == 0 or n == config.run.steps:
-    writer.scalars(n, values)
-    typical = float(np.median(steady)) if steady else step_time
-    writer.console(n, values, typical * (config.run.steps - n))
-  return now
+class _Reporter:
+  """Reads each step's metrics (after the next step is dispatched) and writes them to the console and TensorBoard."""
+
+  def __init__(self, config: config_lib.Config, n_devices: int):
+    m, d = config.model, config.data
+    self.config, self.n_devices = config, n_devices
+    self.flops = metrics_lib.flops_per_step(m, d.batch_size, d.seq_len)
+    self.peak, self.peak_source = metrics_lib.peak_tflops_per_device(config.metrics.peak_tflops, m.dtype)
+    out_dir = pathlib.Path(config.run.output_dir)
+    self.writer = metrics_lib.Writer(out_dir / "tensorboard" if config.metrics.tensorboard else None,
+                                     config.run.steps)
+    self.losses: list[float] = []
+    self.steady: list[float] = []
+    self.last_time = time.perf_counter()
+    self.first = True
+
+  def __enter__(self) -> _Reporter:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.writer.close()
+
+  def report(self, step: int, step_metrics, checkpoints: checkpoint_lib.Checkpoints) -> None:
+    """Fetches step `step`'s metrics and logs them; a non-finite step stops the run under run.on_nan=stop."""
+    config = self.config
+    values = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
+    now = time.perf_counter()
+    step_time = now - self.last_time
+    self.last_time = now
+    if not self.first:  # The first step of a process includes compilation.
+      self.steady.append(step_time)
+    self.first = False
+    if not values.pop("finite"):
+      msg = f"step {step + 1}: loss is {values['loss']} (grad norm {values['grad_norm']})"
+      if config.run.on_nan == "stop":
+        checkpoints.wait()
+        raise MaxctxError(f"{msg}; the run stopped and {checkpoints.last_good()}. Lower optim.lr or set "
+                          "run.on_nan=skip to skip such updates.")
+      log.warning("%s; update skipped (run.on_nan=skip).", msg)
+    self.losses.append(values["loss"])
+    tokens = config.data.batch_size * config.data.seq_len
+    values["step_time"] = step_time
+    values["tokens_per_sec"] = tokens / step_time
+    values["tflops_per_device"] = self.flops / step_time / self.n_devices / 1e12
+    values["mfu"] = values["tflops_per_device"] / self.peak if self.peak else 0.0
+    values.pop("tokens")
+    n = step + 1
+    if n % config.metrics.log_every == 0 or n == config.run.steps:
+      self.writer.scalars(n, values)
+      typical = float(np.median(self.steady)) if self.steady else step_time
+      self.writer.console(n, values, typical * (config.run.steps - n))
 
 
 def main(argv: list[str] | None = None) -> int:

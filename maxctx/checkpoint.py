@@ -1,0 +1,487 @@
+"""Checkpoints of a run with Orbax: async saves of the train state and the data position, exact resume, preemption.
+
+  <run.output_dir>/checkpoints/<step>/
+    state/  TrainState (step, params, opt_state) as Orbax arrays; restored into this run's mesh shardings, so a run
+            saved on one mesh continues on another (`scripts/convert_hf.py export` reads its `params` subtree)
+    data/   process_<i>-of-<n>.json: each process's data pipeline state, written by grain's Orbax handler
+    meta/   the resolved config, the mesh and the process count that wrote the step
+
+Orbax writes a step into `<step>.orbax-checkpoint-tmp-*` and renames it when every file is down, so a crash mid-save
+leaves the previous step as the latest; the leftover is reported and removed. A finished step that fails to read back
+(a truncated file, say) is reported, moved aside to `<step>.corrupt-<time>` and the step before it is used.
+
+checkpoint.resume:
+  auto   the newest step that reads back, if the checkpoints are of this run (MUST_MATCH); none: start fresh
+  never  start fresh; refused while steps exist, unless checkpoint.overwrite (they are deleted at the first save)
+  <n>    step n exactly; refused while later steps exist, unless checkpoint.overwrite (deleted at the first save)
+
+A run's randomness is run.seed (parameter init, data order) plus the data position saved in data/, so a resumed run
+computes bit-for-bit the losses of the uninterrupted one. checkpoint.load_params starts a *new* run (step 0, fresh
+optimizer) from saved parameters: a converted HF model or any step of another run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import grain
+import jax
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+from etils import epath
+from jax.sharding import Mesh
+
+from maxctx import sharding
+from maxctx.config import Config
+from maxctx.errors import CheckpointError, ConfigError
+from maxctx.trainer import Trainer, TrainState
+
+log = logging.getLogger("maxctx")
+
+STATE, DATA, META = "state", "data", "meta"
+META_VERSION = 1
+
+# Config keys a resumed run must share with the run that saved: they fix the parameter shapes, what the model
+# computes and which batch comes next. Everything else (mesh, attention, run.steps, learning rate, ...) may change
+# between restarts; the changes are logged.
+MUST_MATCH = (
+    "model.vocab_size", "model.d_model", "model.n_layers", "model.n_heads", "model.n_kv_heads", "model.head_dim",
+    "model.d_ff", "model.norm_eps", "model.rope_theta", "model.rope_scaling", "model.rope_factor",
+    "model.rope_low_freq_factor", "model.rope_high_freq_factor", "model.rope_original_context", "model.param_dtype",
+    "model.scan_layers", "run.seed", "data.source", "data.path", "data.seq_len", "data.batch_size", "data.tokenizer",
+    "data.text_field", "data.text_separator", "data.packing", "data.long_documents", "data.shuffle",
+    "data.num_workers", "attention.load_balance",
+)
+# Not a key but a fact about one: clipping adds a stage to the optimizer state's structure.
+_CLIPS = "optim.clip_norm > 0"
+
+
+def _lookup(tree: dict[str, Any], dotted: str) -> Any:
+  for part in dotted.split("."):
+    if not isinstance(tree, dict) or part not in tree:
+      return None
+    tree = tree[part]
+  return tree
+
+
+def fingerprint(tree: dict[str, Any]) -> dict[str, Any]:
+  """What must match to resume, from a config's dict (this run's or a saved one)."""
+  out = {k: _lookup(tree, k) for k in MUST_MATCH}
+  clip = _lookup(tree, "optim.clip_norm")
+  out[_CLIPS] = clip is not None and clip > 0
+  return out
+
+
+def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+  out = {}
+  for k, v in tree.items():
+    out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v})
+  return out
+
+
+def _path(name: str) -> epath.Path:
+  # Orbax misreads some metadata under relative local paths; URLs (gs://...) stay as they are.
+  return epath.Path(name if "://" in name else os.path.abspath(name))
+
+
+def _steps_text(steps) -> str:
+  steps = sorted(steps)
+  return ", ".join(map(str, steps)) if len(steps) <= 4 else f"{steps[0]}, {steps[1]}, …, {steps[-1]}"
+
+
+def _why(e: BaseException) -> str:
+  text = str(e).strip().splitlines()
+  text = text[0] if text else ""
+  return f"{type(e).__name__}: {text[:200]}" if text else type(e).__name__
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Tree checks: a checkpoint that does not fit the model names the first parameter that differs.
+
+
+def _key_name(k) -> str:
+  for attr in ("key", "idx", "name"):
+    if hasattr(k, attr):
+      return str(getattr(k, attr))
+  return str(k)
+
+
+def _shapes(tree: Any) -> dict[str, tuple[int, ...]]:
+  """Dotted leaf name → shape, for arrays, ShapeDtypeStructs and Orbax array metadata alike."""
+  leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+  return {".".join(_key_name(k) for k in path): tuple(leaf.shape) for path, leaf in leaves if hasattr(leaf, "shape")}
+
+
+def _what(name: str) -> str:
+  if name.startswith("params."):
+    return f"parameter {name.removeprefix('params.')}"
+  if name.startswith("opt_state."):
+    return f"optimizer state {name}"
+  return name
+
+
+def check_tree(saved: Any, wanted: Any, where: str, fix: str) -> None:
+  """Raises a CheckpointError naming the first leaf that is missing, unexpected or of another shape."""
+  have, want = _shapes(saved), _shapes(wanted)
+  for name, shape in want.items():
+    if name not in have:
+      raise CheckpointError(f"{where} has no {_what(name)} (shape {shape}), which the model has; {fix}")
+    if have[name] != shape:
+      raise CheckpointError(f"{where} holds {_what(name)} with shape {have[name]}, but the model needs {shape}; {fix}")
+  for name, shape in have.items():
+    if name not in want:
+      raise CheckpointError(f"{where} holds {_what(name)} (shape {shape}), which the model does not have; {fix}")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Preemption.
+
+
+class Preemption:
+  """SIGTERM (or JAX's multi-host preemption sync point) → save at the next step boundary and stop.
+
+  With one process the signal handler only sets a flag: the loop checks it after dispatching each step, so the save
+  holds a whole step. With several processes JAX's preemption service owns SIGTERM and picks a step that every host
+  reaches (`reached_preemption_sync_point`, asked at every step by every host); a local flag could make the hosts
+  save at different steps and hang in the save's collectives.
+  """
+
+  def __init__(self):
+    self._signalled = False
+    self._previous = None
+
+  def __enter__(self) -> Preemption:
+    if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
+      self._previous = signal.signal(signal.SIGTERM, self._handler)
+    return self
+
+  def __exit__(self, *exc) -> None:
+    if self._previous is not None:
+      signal.signal(signal.SIGTERM, self._previous)
+      self._previous = None
+
+  def _handler(self, signum, frame) -> None:
+    del signum, frame  # No logging here: the interrupted code may hold the logging lock.
+    self._signalled = True
+
+  def requested(self, step: int) -> bool:
+    if self._signalled:
+      return True
+    return jax.process_count() > 1 and ocp.multihost.reached_preemption(step)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The data pipeline's state through grain's Orbax handler.
+
+
+class _DataState:
+  """A snapshot of `pipeline.state()` shaped as grain's handler expects: get_state() → bytes, set_state(bytes).
+
+  The snapshot is taken at the step boundary, so an async save writes the position of the state it saves.
+  """
+
+  def __init__(self, state: dict | None = None):
+    self.state = state
+
+  def get_state(self) -> bytes:
+    return json.dumps(self.state).encode()
+
+  def set_state(self, state: bytes) -> None:
+    self.state = json.loads(state)
+
+  def start_prefetch(self) -> None:
+    pass
+
+
+def _registry() -> ocp.handlers.DefaultCheckpointHandlerRegistry:
+  registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+  registry.add(STATE, ocp.args.StandardSave)
+  registry.add(STATE, ocp.args.StandardRestore)
+  registry.add(DATA, grain.checkpoint.CheckpointSave, grain.checkpoint.CheckpointHandler)
+  registry.add(DATA, grain.checkpoint.CheckpointRestore, grain.checkpoint.CheckpointHandler)
+  registry.add(META, ocp.args.JsonSave)
+  registry.add(META, ocp.args.JsonRestore)
+  return registry
+
+
+def validate(config: Config) -> None:
+  c = config.checkpoint
+  if c.every_steps < 0:
+    raise ConfigError(f"checkpoint.every_steps is {c.every_steps}; use 0 (never save) or a positive interval.")
+  if c.keep < 1:
+    raise ConfigError(f"checkpoint.keep is {c.keep}; keep at least 1 checkpoint (2 or more lets a corrupt latest "
+                      "step fall back to the one before).")
+  if c.resume not in ("auto", "never") and not (c.resume.isdigit()):
+    raise ConfigError(f"checkpoint.resume is {c.resume!r}; use auto, never, or a step number such as 100.")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The run's checkpoints.
+
+
+class Checkpoints:
+  """The checkpoints of one run: decides at construction what to resume (refusing before anything compiles), then
+  restores or initialises the state, saves at step boundaries and names the last good step.
+
+  Use as a context manager: leaving it waits for the saves in flight, so a step named in a message is on disk.
+  """
+
+  def __init__(self, config: Config, mesh: Mesh):
+    validate(config)
+    self._config, self._mesh = config, mesh
+    c = config.checkpoint
+    self.directory = _path(config.run.output_dir) / "checkpoints"
+    self.enabled = c.every_steps > 0
+    self.last_saved: int | None = None  # The newest step on disk (or being written) that holds a good state.
+    self._to_delete: list[int] = []
+    self._meta_cache: dict[int, dict] = {}
+    self._report_incomplete()
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=c.keep, enable_async_checkpointing=c.async_save, create=self.enabled,
+        cleanup_tmp_directories=True, save_interval_steps=1)
+    self._manager = ocp.CheckpointManager(self.directory, options=options, handler_registry=_registry())
+    self._candidates = self._plan(sorted(self._manager.all_steps()))
+
+  def __enter__(self) -> Checkpoints:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+  def close(self) -> None:
+    self._manager.close()
+
+  def step_path(self, step: int) -> epath.Path:
+    return self.directory / str(step)
+
+  # -- What to resume, decided from the files alone. --
+
+  def _report_incomplete(self) -> None:
+    if not self.directory.exists():
+      return
+    for p in sorted(self.directory.iterdir()):
+      if ".orbax-checkpoint-tmp" in p.name:
+        log.warning("checkpoint: %s is a save that never finished (the run stopped while writing step %s); it is "
+                    "ignored and removed.", p, p.name.split(".", 1)[0])
+
+  def _plan(self, steps: list[int]) -> list[int]:
+    """The steps to try restoring, newest first; raises if the directory holds checkpoints this run must not touch."""
+    c, where = self._config.checkpoint, self.directory
+    if not steps:
+      if c.resume not in ("auto", "never"):
+        raise CheckpointError(f"checkpoint.resume={c.resume} but {where} holds no checkpoints; set "
+                              "checkpoint.resume=auto or never, or point run.output_dir at the run that saved it.")
+      return []
+    held = f"{where} holds checkpoints of steps {_steps_text(steps)}"
+    if c.resume == "never":
+      if self.enabled and not c.overwrite:
+        raise CheckpointError(f"{held} and checkpoint.resume=never would overwrite them; use a new run.output_dir, "
+                              "move them away, or set checkpoint.overwrite=true to delete them.")
+      if self.enabled:
+        self._to_delete = steps
+        log.warning("checkpoint: %s; checkpoint.resume=never with checkpoint.overwrite=true deletes them at the first "
+                    "save.", held)
+      return []
+    if c.resume == "auto":
+      self._check_run(steps[::-1])
+      return steps[::-1]
+    step = int(c.resume)
+    if step not in steps:
+      raise CheckpointError(f"checkpoint.resume={step} but {held}; choose one of them or checkpoint.resume=auto.")
+    later = [s for s in steps if s > step]
+    if later and self.enabled:
+      if not c.overwrite:
+        raise CheckpointError(f"checkpoint.resume={step} but {where} also holds later steps {_steps_text(later)}, "
+                              "which this run would overwrite; use checkpoint.resume=auto, or set "
+                              "checkpoint.overwrite=true to delete them.")
+      self._to_delete = later
+    self._check_run([step])
+    return [step]
+
+  def _read_meta(self, step: int) -> dict:
+    if step not in self._meta_cache:
+      meta = self._manager.restore(step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]
+      if not isinstance(meta, dict) or "config" not in meta:
+        raise ValueError(f"{META} item holds no config")
+      self._meta_cache[step] = meta
+    return self._meta_cache[step]
+
+  def _check_run(self, steps: list[int]) -> None:
+    """Refuses checkpoints of another run, judged by the newest step whose metadata reads."""
+    for step in steps:
+      try:
+        meta = self._read_meta(step)
+      except Exception:  # Reported, with its reason, when restoring walks past it.
+        continue
+      self._check_compatible(step, meta)
+      return
+
+  def _check_compatible(self, step: int, meta: dict) -> None:
+    saved, now = fingerprint(meta["config"]), fingerprint(self._config.to_dict())
+    for key in now:
+      if saved[key] != now[key]:
+        # Parameters still fit a model of the same shape, so a changed data or seed setting can start from them.
+        reuse = "" if key.startswith("model.") or key == _CLIPS else \
+            f" (with checkpoint.load_params={self.step_path(step)} to start from their parameters)"
+        raise CheckpointError(f"{self.directory} holds checkpoints of another run ({key} was {saved[key]!r}, this run "
+                              f"has {now[key]!r}); use a new run.output_dir{reuse} or move them away.")
+    if meta.get("processes", 1) != jax.process_count():
+      raise CheckpointError(
+          f"checkpoint step {step} in {self.directory} was saved by {meta.get('processes')} processes and this run "
+          f"has {jax.process_count()}; the data position is kept per process, so resume with the same process count, "
+          f"or start a new run from its parameters with checkpoint.load_params={self.step_path(step)}.")
+
+  # -- Restore or initialise. --
+
+  def restore_or_init(self, trainer: Trainer, pipeline) -> TrainState:
+    """The newest readable checkpoint (restoring the data position into `pipeline`), else load_params, else init."""
+    abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                            jax.eval_shape(trainer.init, jax.random.key(0)), trainer.state_shardings)
+    for i, step in enumerate(self._candidates):
+      try:
+        meta = self._read_meta(step)
+        saved_tree = self._manager.item_metadata(step)[STATE]
+      except Exception as e:  # noqa: BLE001 — any failure to read a finished step is corruption to report.
+        self._corrupt(step, e, self._candidates[i + 1:])
+        continue
+      self._check_compatible(step, meta)
+      check_tree(saved_tree, abstract, f"checkpoint step {step} in {self.directory}",
+                 "the model.* keys differ from those of the run that saved it (see its config.yml); use a new "
+                 "run.output_dir for a different model.")
+      t = time.perf_counter()
+      try:
+        restored = self._manager.restore(step, args=ocp.args.Composite(**{
+            STATE: ocp.args.StandardRestore(abstract), DATA: grain.checkpoint.CheckpointRestore(_DataState())}))
+      except Exception as e:  # noqa: BLE001
+        self._corrupt(step, e, self._candidates[i + 1:])
+        continue
+      pipeline.restore(self._data_state_for_mesh(restored[DATA].state))
+      self._log_changes(step, meta)
+      log.info("checkpoint: restored step %d from %s in %.1fs (saved on mesh %s, restored onto %s)", step,
+               self.step_path(step), time.perf_counter() - t, meta.get("mesh"), dict(self._mesh.shape))
+      self.last_saved = step
+      return restored[STATE]
+    if self._candidates:
+      raise CheckpointError(f"no checkpoint in {self.directory} reads back (see the warnings above); move the "
+                            "directory away, or set checkpoint.resume=never with checkpoint.overwrite=true to start "
+                            "afresh.")
+    if self._config.checkpoint.load_params:
+      return self._load_params(trainer, abstract)
+    return trainer.init(jax.random.key(self._config.run.seed))
+
+  def _corrupt(self, step: int, e: BaseException, rest: list[int]) -> None:
+    if self._config.checkpoint.resume not in ("auto", "never"):
+      raise CheckpointError(f"checkpoint step {step} in {self.directory} cannot be read ({_why(e)}); choose another "
+                            "step with checkpoint.resume or use checkpoint.resume=auto.")
+    aside = self.directory / f"{step}.corrupt-{int(time.time())}"
+    if jax.process_index() == 0:
+      self.step_path(step).rename(aside)
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils
+      multihost_utils.sync_global_devices(f"maxctx checkpoint aside {step}")
+    self._manager.reload()
+    then = f"using step {rest[0]}" if rest else "no earlier step is left"
+    log.warning("checkpoint: step %d in %s cannot be read (%s); moved it to %s, %s.", step, self.directory, _why(e),
+                aside, then)
+
+  def _data_state_for_mesh(self, state: dict) -> dict:
+    # The data position does not depend on the context degree (the zigzag layout is applied to each batch as it is
+    # made) but maxctx.data's state records it, so a resharded resume updates it rather than being refused. The rows
+    # a process makes are still checked by the pipeline.
+    saved = state.get("config", {})
+    context = self._mesh.shape[sharding.SEQ_AXIS]
+    if "context" in saved and saved["context"] != context:
+      state = {**state, "config": {**saved, "context": context}}
+    return state
+
+  def _log_changes(self, step: int, meta: dict) -> None:
+    before, after = _flat(meta["config"]), _flat(self._config.to_dict())
+    changed = [f"{k} {before.get(k)!r} → {v!r}" for k, v in after.items()
+               if k in before and before[k] != v and not k.startswith("checkpoint.")]  # New schema keys are no change.
+    if changed:
+      log.info("checkpoint: resuming step %d with changed settings: %s", step, "; ".join(changed))
+
+  def _load_params(self, trainer: Trainer, abstract: TrainState) -> TrainState:
+    path = _path(self._config.checkpoint.load_params)
+    for inner in ("params", STATE):  # A convert_hf.py output directory, or a step of a training run.
+      if (path / inner).is_dir():
+        path = path / inner
+        break
+    if not path.is_dir():
+      raise CheckpointError(f"checkpoint.load_params {path} is not a directory; pass the output of "
+                            "scripts/convert_hf.py import or a checkpoint step directory.")
+    where = f"checkpoint.load_params {path}"
+    fix = ("set the model.* keys to those the parameters were made with (convert_hf.py writes them to model.yml "
+           "beside params/; a run's config.yml holds them).")
+    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
+      try:
+        tree = checkpointer.metadata(path).item_metadata.tree
+      except Exception as e:  # noqa: BLE001
+        raise CheckpointError(f"{where} is not a readable Orbax checkpoint ({_why(e)}); pass the params directory "
+                              "scripts/convert_hf.py import wrote, or a checkpoint step.") from None
+      # A training checkpoint holds the params under 'params' next to the optimizer state; only that subtree is read.
+      nested = isinstance(tree, dict) and "params" in tree and "opt_state" in tree
+      check_tree({"params": tree["params"] if nested else tree}, {"params": abstract.params}, where, fix)
+      target = {"params": abstract.params} if nested else abstract.params
+      t = time.perf_counter()
+      restored = checkpointer.restore(path, args=ocp.args.PyTreeRestore(
+          target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=nested))
+    params = restored["params"] if nested else restored
+    log.info("checkpoint: loaded parameters from %s in %.1fs; training starts at step 0 with a fresh optimizer",
+             path, time.perf_counter() - t)
+    return _state_from_params(trainer, params)
+
+  # -- Saving. --
+
+  def due(self, step: int) -> bool:
+    """Whether step `step` (the number of steps done) is a regular save: every checkpoint.every_steps, and the last."""
+    c = self._config.checkpoint
+    return self.enabled and (step % c.every_steps == 0 or step == self._config.run.steps)
+
+  def save(self, step: int, state: TrainState, data_state: dict, wait: bool = False) -> bool:
+    """Saves `state` (after `step` steps) and the data position; async unless `wait`. False when saving is off."""
+    if not self.enabled or step == self.last_saved:
+      return False
+    if self._to_delete:
+      log.warning("checkpoint: deleting steps %s in %s (checkpoint.overwrite=true)", _steps_text(self._to_delete),
+                  self.directory)
+      for s in self._to_delete:
+        self._manager.delete(s)
+      self._to_delete = []
+    t = time.perf_counter()
+    meta = {"version": META_VERSION, "step": step, "config": self._config.to_dict(), "mesh": dict(self._mesh.shape),
+            "processes": jax.process_count(), "time": time.time()}
+    self._manager.save(step, force=True, args=ocp.args.Composite(**{
+        STATE: ocp.args.StandardSave(state), DATA: grain.checkpoint.CheckpointSave(_DataState(data_state)),
+        META: ocp.args.JsonSave(meta)}))
+    blocked = time.perf_counter() - t
+    if wait or not self._config.checkpoint.async_save:
+      self._manager.wait_until_finished()
+    self.last_saved = step
+    mode = "in the background" if self._config.checkpoint.async_save and not wait else "done"
+    log.info("checkpoint: saving step %d to %s (%s; the loop waited %.2fs)", step, self.step_path(step), mode,
+             time.perf_counter() - t if wait else blocked)
+    return True
+
+  def wait(self) -> None:
+    self._manager.wait_until_finished()
+
+  def last_good(self) -> str:
+    """The last good checkpoint, in words, for messages that stop the run."""
+    if self.last_saved is None:
+      why = " (checkpoint.every_steps=0)" if not self.enabled else ""
+      return f"no checkpoint was saved{why}"
+    return f"the last good checkpoint is step {self.last_saved} in {self.step_path(self.last_saved)}"
+
+
+def _state_from_params(trainer: Trainer, params: Any) -> TrainState:
+  """Step 0 with these parameters and a fresh optimizer state, in the trainer's shardings."""
+  def make(p):
+    return TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=trainer.tx.init(p))
+  return jax.jit(make, out_shardings=trainer.state_shardings, donate_argnums=0)(params)
