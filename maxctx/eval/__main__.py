@@ -51,7 +51,9 @@ def run(config: config_lib.Config, plan: sweep_lib.Plan, out_dir: pathlib.Path, 
   with jax.set_mesh(mesh):
     sweep = sweep_lib.Sweep(config, mesh, plan)  # every example is made and checked here, before compiling
     if train:
-      during = sweep_lib.Sweep(config, mesh, sweep_lib.Plan.from_config(config)) if config.eval.every_steps else None
+      during = None
+      if config.eval.every_steps:
+        during = sweep_lib.Sweep(config, mesh, sweep_lib.Plan.from_config(config), scorer=sweep.scorer)
       params = train_passkey.run(config, mesh, during)
     else:
       params = params_lib.load(config, sweep.scorer.model, mesh)

@@ -111,11 +111,12 @@ class Plan:
 class Sweep:
   """The examples of a plan for a run, and the scorer that runs them on the run's mesh."""
 
-  def __init__(self, config: Config, mesh: Mesh, plan: Plan):
+  def __init__(self, config: Config, mesh: Mesh, plan: Plan, scorer: scoring.Scorer | None = None):
     self.config, self.plan = config, plan
     self.tokenizer = tokenizer_for(config)
     pieces = tasks.Pieces(self.tokenizer)
-    self.scorer = scoring.Scorer(config, mesh, rows=plan.batch_size)
+    # Sweeps of one run can share a scorer, and with it the compiled forward of each length.
+    self.scorer = scorer or scoring.Scorer(config, mesh, rows=plan.batch_size)
     for n in plan.lengths:
       self.scorer.seq_len_for(n, exact=True)  # refuses lengths the context axis cannot split
     self.examples = tasks.sweep(plan.tasks, plan.lengths, plan.depths, plan.samples, pieces, plan.seed)
