@@ -1,0 +1,153 @@
+"""Launch a recipe on a GKE TPU cluster with XPK (https://github.com/AI-Hypercomputer/xpk):
+
+    python scripts/launch_xpk.py configs/recipes/llama3.1-8b-14m-ring-tpu7x-128.yml --cluster my-cluster \\
+        --tpu-type tpu7x-128 --num-slices 1 --image us-docker.pkg.dev/my-project/maxctx/tpu:latest [--dry-run] \\
+        [-- run.steps=20 ...]
+
+Builds the `xpk workload create` command that runs `python -m maxctx.train <recipe>` on every host of the slices,
+prints it, and runs it unless --dry-run. The recipe is checked against the TPU type first (mesh sizes, slice count,
+strategy constraints), so a config that cannot run fails here, not after the pods are scheduled. The image must hold
+this repository at its working directory (docker/Dockerfile does), so the recipe is passed by its repository path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import pathlib
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+
+ROOT = pathlib.Path(os.path.abspath(__file__)).parent.parent
+sys.path.insert(0, str(ROOT))
+
+from maxctx import compile as compile_lib  # noqa: E402
+from maxctx import topology as topology_lib  # noqa: E402
+from maxctx.errors import ConfigError, MaxctxError  # noqa: E402
+
+MAX_WORKLOAD_NAME = 40   # XPK's limit: the JobSet name also names pods and services
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                              epilog="Arguments after `--` are section.key=value overrides for the recipe.")
+  p.add_argument("recipe", help="a run config under configs/, e.g. configs/recipes/llama3.1-8b-14m-ring-tpu7x-128.yml")
+  p.add_argument("--cluster", required=True, help="the GKE cluster XPK created")
+  p.add_argument("--tpu-type", help="GKE/XPK TPU type, e.g. tpu7x-128 or v5p-128; default: the recipe's "
+                 "compile.topology")
+  p.add_argument("--num-slices", type=int, default=1, help="slices (multislice over DCN); the recipe's mesh.dcn sizes "
+                 "must multiply to it, or --dcn-axis says which axis spans them")
+  p.add_argument("--dcn-axis", choices=("data", "fsdp", "context"), help="set mesh.dcn.<axis>=--num-slices when the "
+                 "recipe has no DCN axes of its own")
+  p.add_argument("--image", required=True, help="the container image (docker/Dockerfile), pushed where GKE can pull")
+  p.add_argument("--workload", help="workload name; default: the recipe name and a timestamp")
+  p.add_argument("--output-dir", help="run.output_dir for the job, e.g. gs://bucket/runs (the workload name is "
+                 "appended); default: the recipe's")
+  p.add_argument("--project", help="Google Cloud project (default: gcloud's)")
+  p.add_argument("--zone", help="zone of the cluster (default: gcloud's)")
+  p.add_argument("--priority", choices=("very-low", "low", "medium", "high", "very-high"))
+  p.add_argument("--max-restarts", type=int, default=0, help="restarts of the whole job after a failure (resume "
+                 "from the last checkpoint)")
+  p.add_argument("--xpk", default="xpk", help="the xpk executable")
+  p.add_argument("--dry-run", action="store_true", help="print the command and check the recipe; launch nothing")
+  if "--" in argv:
+    cut = argv.index("--")
+    argv, overrides = argv[:cut], argv[cut + 1:]
+  else:
+    overrides = []
+  return p.parse_args(argv), overrides
+
+
+def workload_name(recipe: pathlib.Path, now: datetime.datetime | None = None) -> str:
+  """`<recipe>-<MMDD-HHMM>` in the letters Kubernetes allows, short enough for XPK."""
+  stamp = (now or datetime.datetime.now()).strftime("%m%d-%H%M")
+  stem = re.sub(r"[^a-z0-9-]+", "-", recipe.stem.lower()).strip("-")
+  return f"{stem[:MAX_WORKLOAD_NAME - len(stamp) - 1].rstrip('-')}-{stamp}"
+
+
+def repo_path(recipe: pathlib.Path) -> str:
+  path = recipe.resolve()
+  try:
+    return str(path.relative_to(ROOT))
+  except ValueError:
+    raise ConfigError(f"recipe {recipe} is outside the repository ({ROOT}); the image holds only the repository, so "
+                      "put the recipe under configs/ and rebuild the image.") from None
+
+
+def build_command(args: argparse.Namespace, overrides: list[str]) -> tuple[list[str], str]:
+  """(the xpk argv, the train command it runs on every host); raises ConfigError if the recipe cannot run there."""
+  recipe = pathlib.Path(args.recipe)
+  if not recipe.is_file():
+    raise ConfigError(f"recipe {args.recipe} does not exist; pass a file such as configs/recipes/"
+                      "llama3.1-8b-14m-ring-tpu7x-128.yml.")
+  if args.num_slices < 1:
+    raise ConfigError(f"--num-slices is {args.num_slices}; a job has at least one slice.")
+  workload = args.workload or workload_name(recipe)
+  if not re.fullmatch(r"[a-z]([a-z0-9-]*[a-z0-9])?", workload) or len(workload) > MAX_WORKLOAD_NAME:
+    raise ConfigError(f"--workload {workload!r} must be lower-case letters, digits and '-', start with a letter and "
+                      f"have at most {MAX_WORKLOAD_NAME} characters.")
+  train_overrides = list(overrides)
+  if args.dcn_axis and args.num_slices > 1:
+    train_overrides.append(f"mesh.dcn.{args.dcn_axis}={args.num_slices}")
+  if args.output_dir:
+    train_overrides.append(f"run.output_dir={args.output_dir.rstrip('/')}/{workload}")
+  config, options = _load(recipe, train_overrides, args.tpu_type)
+  topo = topology_lib.resolve(args.tpu_type or options.topology)
+  _check_fits_slices(config, topo, args.num_slices)
+
+  train = ["python", "-m", "maxctx.train", repo_path(recipe), *train_overrides]
+  command = shlex.join(train)
+  xpk = [args.xpk, "workload", "create", "--cluster", args.cluster, "--workload", workload,
+         "--tpu-type", topo.name, "--num-slices", str(args.num_slices), "--docker-image", args.image,
+         "--max-restarts", str(args.max_restarts), "--command", command]
+  for flag, value in (("--project", args.project), ("--zone", args.zone), ("--priority", args.priority)):
+    if value:
+      xpk += [flag, value]
+  return xpk, command
+
+
+def _load(recipe: pathlib.Path, overrides: list[str], tpu_type: str | None):
+  extra = [f"compile.topology={tpu_type}"] if tpu_type else []
+  try:
+    return compile_lib.load(str(recipe), overrides + extra)
+  except ConfigError as e:
+    if "no TPU topology" in str(e):
+      raise ConfigError(f"no TPU type for {recipe}: pass --tpu-type (e.g. tpu7x-128) or add compile.topology to the "
+                        "recipe.") from None
+    raise
+
+
+def _check_fits_slices(config, topo: topology_lib.Topology, num_slices: int) -> None:
+  """The checks `maxctx.train` makes at start-up, made now for the devices the job will have."""
+  from maxctx import trainer
+  try:
+    compile_lib._validate(trainer, config, topo.devices * num_slices, num_slices)
+  except ConfigError as e:
+    hint = " (or pass --dcn-axis)" if "mesh.dcn" in str(e) else ""
+    raise ConfigError(f"the recipe cannot run on {num_slices} × {topo.name} ({topo.devices * num_slices} devices): "
+                      f"{str(e).rstrip('.')}{hint}.") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+  args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+  try:
+    xpk, _ = build_command(args, overrides)
+  except MaxctxError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  print(shlex.join(xpk))
+  if args.dry_run:
+    return 0
+  if shutil.which(args.xpk) is None:
+    print(f"error: {args.xpk} is not on PATH; install it (pip install xpk) or pass --xpk /path/to/xpk.",
+          file=sys.stderr)
+    return 2
+  return subprocess.run(xpk, check=False).returncode
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,113 @@
+"""Ahead-of-time compile for TPU topologies (maxctx.compile) with libtpu, on the CPU: each strategy's collectives show
+up in the compiled HLO, memory is read back, and a step too large for HBM is reported instead of raised."""
+
+import importlib.util
+import json
+
+import pytest
+
+from maxctx import compile as compile_lib
+from maxctx import topology
+from maxctx.errors import ConfigError
+
+needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                                  reason="libtpu is not installed (pip install -e '.[tpu]'); it compiles for TPUs")
+
+TINY = """
+run: {name: tiny-aot}
+model: {preset: tiny, remat: full}
+mesh: {ici: {data: 1, fsdp: -1, context: 4, tensor: 1}}
+attention: {strategy: ring, kernel: blockwise}
+data: {seq_len: 512, batch_size: 2}
+compile: {topology: "v5p:2x2x1"}
+"""
+
+# What each strategy must (and must not) send inside the model's attention scope.
+EXPECTED = {
+    "all_gather": ({"all-gather"}, {"all-to-all", "collective-permute"}),
+    "ulysses": ({"all-to-all"}, {"collective-permute"}),
+    "ring": ({"collective-permute"}, {"all-to-all"}),
+    "usp": ({"all-to-all", "collective-permute"}, set()),
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+  path = tmp_path_factory.mktemp("compile") / "tiny.yml"
+  path.write_text(TINY)
+  return str(path)
+
+
+@pytest.mark.parametrize("name, libtpu, chips, devices", [
+    ("v5p-128", "v5p:4x4x4", 64, 64), ("tpu7x-128", "tpu7x:4x4x4", 64, 128), ("v5p-8", "v5p:2x2x1", 4, 4),
+    ("tpu7x-256", "tpu7x:4x4x8", 128, 256), ("v6e-256", "v6e:16x16", 256, 256), ("v5e-8", "v5e:2x4", 8, 8),
+    ("v5p:2x4x4", "v5p:2x4x4", 32, 32)])
+def test_topology_names(name, libtpu, chips, devices):
+  t = topology.resolve(name)
+  assert (t.libtpu_name, t.chips, t.devices) == (libtpu, chips, devices)
+
+
+@pytest.mark.parametrize("name, words", [("v9-128", "unknown TPU generation"), ("v5p-12", "no standard slice"),
+                                         ("v5p-7", "whole number of chips"), ("tpu7x", "not of the form"),
+                                         ("v5p:4x4", "has 2 axes")])
+def test_topology_errors(name, words):
+  with pytest.raises(ConfigError, match=words):
+    topology.resolve(name)
+
+
+def test_collective_counts_reads_async_pairs_once_and_scopes():
+  hlo = "\n".join([
+      '  %ag = bf16[8] all-gather-start(bf16[2] %p), metadata={op_name="jit(f)/layers/attn/attention/all_gather"}',
+      '  %agd = bf16[8] all-gather-done(%ag)',
+      '  %cp = bf16[2] collective-permute(bf16[2] %x), metadata={op_name="jit(f)/attention/ring/ppermute"}',
+      '  %ar = f32[] all-reduce(f32[] %y), to_apply=%add, metadata={op_name="jit(f)/train_step/all-to-all("}',
+  ])
+  counts = compile_lib.collective_counts(hlo)
+  assert (counts["all-gather"], counts["collective-permute"], counts["all-reduce"], counts["all-to-all"]) == (1, 1, 1, 0)
+  scoped = compile_lib.collective_counts(hlo, "attention")
+  assert (scoped["all-gather"], scoped["collective-permute"], scoped["all-reduce"]) == (1, 1, 0)
+
+
+def test_parse_oom_messages():
+  total = compile_lib.parse_oom("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+                                "temporaries (208.62G) exceeds available HBM (95.74G).")
+  assert total["required_bytes"] == int(208.62 * 2**30) and not total["required_is_lower_bound"]
+  one = compile_lib.parse_oom("RESOURCE_EXHAUSTED: Allocation (size=128000000000) would exceed memory "
+                              "(size=103079215104) :: ...")
+  assert one == {"required_bytes": 128000000000, "required_is_lower_bound": True, "hbm_reported_bytes": 103079215104}
+
+
+def test_missing_topology_is_a_config_error(tmp_path):
+  path = tmp_path / "run.yml"
+  path.write_text(TINY.replace('compile: {topology: "v5p:2x2x1"}', ""))
+  with pytest.raises(ConfigError, match="compile.topology"):
+    compile_lib.load(str(path), [])
+  with pytest.raises(ConfigError, match="compile.topolgy"):
+    compile_lib.load(str(path), ["compile.topolgy=v5p-8"])
+
+
+@needs_libtpu
+@pytest.mark.parametrize("topo", ["v5p:2x2x1", pytest.param("tpu7x:2x2x1", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("strategy", sorted(EXPECTED))
+def test_collectives_match_strategy(tiny_path, topo, strategy):
+  config, options = compile_lib.load(tiny_path, [f"compile.topology={topo}", f"attention.strategy={strategy}"])
+  report = compile_lib.compile_for(config, options)
+  assert report["fits"] and report["memory"]["total"] > 0
+  assert report["devices"] == topology.resolve(topo).devices
+  sent = {k for k, v in report["attention_collectives"].items() if v}
+  must, must_not = EXPECTED[strategy]
+  assert must <= sent and not (must_not & sent), (strategy, report["attention_collectives"])
+  # ZeRO-3: parameters are all-gathered for use and their gradients reduced, whatever the strategy.
+  assert report["collectives"]["all-gather"] > 0
+  assert report["collectives"]["reduce-scatter"] + report["collectives"]["all-reduce"] > 0
+  assert "does not fit" not in compile_lib.format_report(report)
+
+
+@needs_libtpu
+def test_over_hbm_is_reported_not_raised(tiny_path, capsys):
+  # The dense reference kernel holds [T/4, T] float32 scores per head group: ~17 GiB at 64K tokens, over v5e's 16.
+  rc = compile_lib.main([tiny_path, "compile.topology=v5e-4", "attention.strategy=all_gather",
+                         "attention.kernel=reference", "data.seq_len=65536", "data.batch_size=1", "--json"])
+  assert rc == 0
+  report = json.loads(capsys.readouterr().out)
+  assert not report["fits"] and report["over_bytes"] > 0
