@@ -1,8 +1,13 @@
 """Train a model: `python -m maxctx.train configs/demo.yml [section.key=value ...]`.
 
-Reads the config, checks it against the devices, builds the mesh, data, model and optimizer, and runs the jitted step,
-writing loss and MFU to <run.output_dir>/tensorboard and a progress line to the console. Metrics of step i are read
-after step i+1 is dispatched, so the host never makes the devices wait.
+Reads the config, checks it against the devices and against the checkpoints already in <run.output_dir>, builds the
+mesh, data, model and optimizer, resumes or initialises the state (maxctx.checkpoint), and runs the jitted step, writing
+loss and MFU to <run.output_dir>/tensorboard and a progress line to the console. Metrics of step i are read after step
+i+1 is dispatched, so the host never makes the devices wait; at a save the step's own metrics are read first (the save
+waits for that step anyway), so a non-finite step stops the run before its state is saved.
+
+SIGTERM saves at the next step boundary and returns normally (exit 0); rerunning the same command continues from the
+newest complete checkpoint with the losses an uninterrupted run would have had.
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ def run(config: config_lib.Config) -> list[float]:
   log.info("resolved config (saved to %s):\n%s", out_dir / "config.yml", config.to_yaml())
   log.info("mesh %s on %d %s device(s)", dict(mesh.shape), len(devices), devices[0].device_kind)
 
-  m, d = config.model, config.data
+  m = config.model
   reporter = _Reporter(config, len(devices))
   log.info("model %s: %.3gM parameters; %.3g TFLOP per step; peak %.3g TFLOP/s per device (%s)",
            m.preset or "custom", metrics_lib.param_count(m) / 1e6, reporter.flops / 1e12, reporter.peak,
@@ -78,8 +83,8 @@ def run(config: config_lib.Config) -> list[float]:
         pending = None
         checkpoints.save(done, state, pipeline.state(), wait=stop)
       if stop:
-        log.info("preempted: stopped after step %d; %s; rerun the same command to continue.", done,
-                 checkpoints.last_good())
+        then = "rerun the same command to continue" if checkpoints.enabled else "a rerun starts over"
+        log.info("preempted: stopped after step %d; %s; %s.", done, checkpoints.last_good(), then)
         break
     if pending is not None:
       reporter.report(*pending, checkpoints)

@@ -72,17 +72,28 @@ def _hf_loss(model, batch) -> float:
   return total / count
 
 
-def test_training_starts_from_imported_hf_weights(tmp_path, imported):
+def test_training_starts_from_imported_hf_weights_and_exports_back(tmp_path, imported):
   model, out = imported
-  c = _config(tmp_path, out)
+  c = _config(tmp_path / "run", out, "run.steps=2", "checkpoint.every_steps=2")  # Step 1's warm-up rate is 0.
   mesh = mesh_lib.build_mesh(c.mesh)
   with jax.set_mesh(mesh):
     batch = jax.device_get(next(data.build(c, mesh)))
   want = _hf_loss(model, batch)
-  (first,) = train.run(c)
+  first, _ = train.run(c)
   assert first == pytest.approx(want, abs=1e-4), (first, want)
   # A random init would sit near ln(vocab) instead.
   assert abs(want - np.log(c.model.vocab_size)) > 0.05
+
+  # The trained step exports back to a directory transformers loads, holding the checkpoint's parameters.
+  convert = _convert_script()
+  state_dir = tmp_path / "run" / "checkpoints" / "2" / "state"
+  assert convert.main(["export", str(state_dir), str(tmp_path / "run" / "config.yml"), str(tmp_path / "hf_out")]) == 0
+  trained = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf_out").eval()
+  want = hf.hf_from_params(convert._restore_params(state_dir), c.model)
+  got = {k: v.detach().numpy() for k, v in trained.state_dict().items()}
+  for name, w in want.items():
+    np.testing.assert_array_equal(got[name], w)
+  assert not np.array_equal(got["lm_head.weight"], model.state_dict()["lm_head.weight"].numpy())  # It trained.
 
 
 def test_load_params_that_do_not_fit_the_model_name_the_parameter(tmp_path, imported):

@@ -24,10 +24,18 @@ from maxctx import checkpoint, config, data, mesh as mesh_lib, train
 from maxctx.trainer import Trainer
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-ENV = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
 STEPS, EVERY = 20, 5
 ARGS = [f"run.steps={STEPS}", f"checkpoint.every_steps={EVERY}", "checkpoint.keep=2", "data.seq_len=64",
-        "metrics.log_every=1"]
+        "metrics.log_every=1", "metrics.peak_tflops=1"]
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory) -> dict[str, str]:
+  # A compilation cache shared by the runs: each process then loads the step instead of compiling it (~20 s on a busy
+  # 2-core machine); a cached executable is the same program, so the losses are unchanged.
+  return dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+              JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("jax_cache")),
+              JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
 
 
 def _command(out_dir) -> list[str]:
@@ -45,19 +53,19 @@ def _losses(event_file) -> dict[int, float]:
   return {e.step: e.value for e in acc.Scalars("loss")}
 
 
-def _run_to_end(out_dir) -> tuple[subprocess.CompletedProcess, dict[int, float]]:
+def _run_to_end(out_dir, env) -> tuple[subprocess.CompletedProcess, dict[int, float]]:
   """Runs the command to completion; returns it and the losses this process logged."""
   before = _event_files(out_dir)
-  result = subprocess.run(_command(out_dir), capture_output=True, text=True, env=ENV, timeout=300, cwd=ROOT)
+  result = subprocess.run(_command(out_dir), capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
   assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
   (new,) = _event_files(out_dir) - before
   return result, _losses(new)
 
 
-def _run_until(out_dir, step: int, sig: int) -> tuple[subprocess.Popen, str, float]:
+def _run_until(out_dir, env, step: int, sig: int) -> tuple[subprocess.Popen, str, float]:
   """Starts the command and sends `sig` once it has logged step `step`; returns the process, its output so far, and
   the time the signal was sent."""
-  proc = subprocess.Popen(_command(out_dir), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV,
+  proc = subprocess.Popen(_command(out_dir), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                           cwd=ROOT)
   seen = []
   for line in proc.stdout:
@@ -70,9 +78,9 @@ def _run_until(out_dir, step: int, sig: int) -> tuple[subprocess.Popen, str, flo
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory) -> dict[int, float]:
+def uninterrupted(tmp_path_factory, env) -> dict[int, float]:
   out = tmp_path_factory.mktemp("uninterrupted")
-  _, losses = _run_to_end(out)
+  _, losses = _run_to_end(out, env)
   assert sorted(losses) == list(range(1, STEPS + 1))
   return losses
 
@@ -84,12 +92,12 @@ def _resumed_step(stdout: str) -> int:
   pytest.fail("the rerun did not restore a checkpoint:\n" + stdout[-3000:])
 
 
-def test_sigkill_between_saves_resumes_bit_for_bit(tmp_path, uninterrupted):
+def test_sigkill_between_saves_resumes_bit_for_bit(tmp_path, env, uninterrupted):
   kill_after = random.choice([s for s in range(EVERY + 1, 3 * EVERY) if s % EVERY])
-  proc, _, _ = _run_until(tmp_path, kill_after, signal.SIGKILL)
+  proc, _, _ = _run_until(tmp_path, env, kill_after, signal.SIGKILL)
   proc.wait(timeout=60)
   assert proc.returncode == -signal.SIGKILL
-  result, resumed = _run_to_end(tmp_path)
+  result, resumed = _run_to_end(tmp_path, env)
   start = _resumed_step(result.stdout)
   assert start % EVERY == 0 and EVERY <= start <= kill_after + EVERY, (start, kill_after)
   assert sorted(resumed) == list(range(start + 1, STEPS + 1))
@@ -97,9 +105,9 @@ def test_sigkill_between_saves_resumes_bit_for_bit(tmp_path, uninterrupted):
     assert loss == uninterrupted[step], f"killed after step {kill_after}, resumed at {start}: step {step} differs"
 
 
-def test_sigterm_saves_at_the_step_boundary_and_exits_0(tmp_path, uninterrupted):
+def test_sigterm_saves_at_the_step_boundary_and_exits_0(tmp_path, env, uninterrupted):
   signal_after = random.choice([s for s in range(3, STEPS - 3) if s % EVERY])
-  proc, seen, sent = _run_until(tmp_path, signal_after, signal.SIGTERM)
+  proc, seen, sent = _run_until(tmp_path, env, signal_after, signal.SIGTERM)
   rest, _ = proc.communicate(timeout=60)
   elapsed = time.monotonic() - sent
   assert proc.returncode == 0, (seen + rest)[-3000:]
@@ -109,7 +117,7 @@ def test_sigterm_saves_at_the_step_boundary_and_exits_0(tmp_path, uninterrupted)
   at = int(stopped[0].split("preempted: stopped after step")[1].split(";")[0])
   assert signal_after <= at < STEPS
   assert (tmp_path / "checkpoints" / str(at) / "state").is_dir()
-  result, resumed = _run_to_end(tmp_path)
+  result, resumed = _run_to_end(tmp_path, env)
   assert _resumed_step(result.stdout) == at
   assert sorted(resumed) == list(range(at + 1, STEPS + 1))
   for step, loss in resumed.items():
