@@ -59,6 +59,7 @@ def main(argv=None) -> list[dict]:
   import maxctx.attention as attention
   from maxctx import sharding
   from maxctx.attention import layout
+  from maxctx.errors import ConfigError
 
   b, t, n, k, h = args.batch, args.seq_len, args.heads, args.kv_heads, args.head_dim
   dtype = jnp.dtype(args.dtype)
@@ -76,27 +77,28 @@ def main(argv=None) -> list[dict]:
   v = jax.device_put(jnp.asarray(rng.normal(size=(b, t, k, h)), dtype), heads)
   seg, pos = jax.device_put(seg, toks), jax.device_put(pos, toks)
 
-  def measure(label, kernel, fn):
-    fwd = jax.jit(fn)
+  def prepare(label, kernel, fn):
+    fwd = jax.jit(fn).lower(q, kk, v, seg, pos).compile()
     loss = lambda q, kk, v, s, p: jnp.sum(fn(q, kk, v, s, p).astype(jnp.float32))  # noqa: E731
-    fwd_bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-    compiled = fwd_bwd.lower(q, kk, v, seg, pos).compile()
-    temp = compiled.memory_analysis().temp_size_in_bytes
+    fwd_bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kk, v, seg, pos).compile()
+    for f in (fwd, fwd_bwd):
+      jax.block_until_ready(f(q, kk, v, seg, pos))   # warm up
+    return dict(strategy=label, kernel=kernel, temp_mib=fwd_bwd.memory_analysis().temp_size_in_bytes / 2**20,
+                fns=(fwd, fwd_bwd), times=([], []))
 
-    def timed(f):
-      jax.block_until_ready(f(q, kk, v, seg, pos))   # compile and warm up
-      times = []
-      for _ in range(args.iters):
-        start = time.perf_counter()
-        jax.block_until_ready(f(q, kk, v, seg, pos))
-        times.append(time.perf_counter() - start)
-      return 1e3 * statistics.median(times)
-
-    row = dict(strategy=label, kernel=kernel, fwd_ms=timed(fwd), fwd_bwd_ms=timed(compiled),
-               temp_mib=temp / 2**20)
-    print(f"{row['strategy']:<22} {row['kernel']:<10} {row['fwd_ms']:>10.1f} {row['fwd_bwd_ms']:>12.1f} "
-          f"{row['temp_mib']:>10.1f}", flush=True)
-    return row
+  def time_round_robin(rows):
+    """One call of each function per round, so load on a shared host falls on every row alike."""
+    for _ in range(args.iters):
+      for row in rows:
+        for f, times in zip(row["fns"], row["times"]):
+          start = time.perf_counter()
+          jax.block_until_ready(f(q, kk, v, seg, pos))
+          times.append(time.perf_counter() - start)
+    for row in rows:
+      row["fwd_ms"], row["fwd_bwd_ms"] = (1e3 * statistics.median(ts) for ts in row.pop("times"))
+      del row["fns"]
+      print(f"{row['strategy']:<22} {row['kernel']:<10} {row['fwd_ms']:>10.1f} {row['fwd_bwd_ms']:>12.1f} "
+            f"{row['temp_mib']:>10.1f}", flush=True)
 
   print(f"B={b} T={t} N={n} K={k} H={h} causal {args.dtype} context={args.context} "
         f"load_balance={args.load_balance} on {jax.devices()[0].platform}")
@@ -111,17 +113,18 @@ def main(argv=None) -> list[dict]:
                                   block_kv=args.block_kv)
       try:
         attention.validate(strategy, problem)
-      except Exception as err:  # noqa: BLE001  (a refused combination is a row, not a crash)
+      except ConfigError as err:   # a refused combination is a row, not a crash
         print(f"{label:<22} {kernel:<10} refused: {err}")
         continue
       fn = attention.build(strategy, mesh, kernel=kernel, load_balance=args.load_balance, ulysses_degree=degree,
                            block_q=args.block_q, block_kv=args.block_kv)
-      rows.append(measure(label, kernel, fn))
+      rows.append(prepare(label, kernel, fn))
   if not args.no_baseline:
     if args.load_balance or k != n:
       print("ringattention baseline skipped: it needs the natural layout and N = K")
     else:
-      rows.append(measure("ringattention 0.1.2", "jax", baseline(mesh, args, dtype)))
+      rows.append(prepare("ringattention 0.1.2", "jax", baseline(mesh, args, dtype)))
+  time_round_robin(rows)
   if args.json:
     with open(args.json, "w") as f:
       json.dump(dict(shape=dict(batch=b, seq_len=t, heads=n, kv_heads=k, head_dim=h, dtype=args.dtype,

@@ -71,9 +71,9 @@ class Blockwise:
     bq, bk = self._blocks(T, S)
     scale = H**-0.5
     q_BTKGH = _split_heads(q_BTNH, K)
-    skip_QS = mask.hidden(mask.summarize(q_seg, q_pos, bq), mask.summarize(kv_seg, kv_pos, bk))
+    skip_QS, kind_QS = _tile_kinds(q_seg, kv_seg, q_pos, kv_pos, bq, bk)
 
-    def tile(i, j, carry):
+    def tile(i, j, masked, carry):
       acc_BKGQH, max_BKGQ, den_BKGQ = carry
       q_BQKGH = jax.lax.dynamic_slice_in_dim(q_BTKGH, i * bq, bq, axis=1)
       k_BSKH_j = jax.lax.dynamic_slice_in_dim(k_BSKH, j * bk, bk, axis=1)
@@ -83,7 +83,8 @@ class Blockwise:
                              jax.lax.dynamic_slice_in_dim(q_pos, i * bq, bq, axis=1),
                              jax.lax.dynamic_slice_in_dim(kv_pos, j * bk, bk, axis=1))
       s_BKGQS = jnp.einsum("bqkgh,bskh->bkgqs", q_BQKGH, k_BSKH_j, preferred_element_type=_F32) * scale
-      s_BKGQS = jnp.where(vis_BQS[:, None, None], s_BKGQS, -jnp.inf)
+      if masked:
+        s_BKGQS = jnp.where(vis_BQS[:, None, None], s_BKGQS, -jnp.inf)
       new_max = jnp.maximum(max_BKGQ, jnp.max(s_BKGQS, axis=-1))
       # A row that has seen nothing yet keeps max -inf; shift by 0 there so exp gives 0, not NaN.
       shift = jnp.where(jnp.isneginf(new_max), 0.0, new_max)
@@ -100,8 +101,9 @@ class Blockwise:
                jax.lax.dynamic_slice_in_dim(mx, i * bq, bq, axis=3),
                jax.lax.dynamic_slice_in_dim(den, i * bq, bq, axis=3))
       # The cond carries one tile's state only: a cond over the whole state would copy it.
-      carry = jax.lax.fori_loop(
-          0, S // bk, lambda j, c: jax.lax.cond(skip_QS[i, j], lambda c: c, functools.partial(tile, i, j), c), carry)
+      carry = jax.lax.fori_loop(0, S // bk, lambda j, c: jax.lax.switch(
+          kind_QS[i, j], [lambda c: c, functools.partial(tile, i, j, True), functools.partial(tile, i, j, False)], c),
+          carry)
       return tuple(jax.lax.dynamic_update_slice_in_dim(full, part, i * bq, axis=3) for full, part in zip(state, carry))
 
     with jax.named_scope("blockwise_fwd"):
@@ -138,9 +140,9 @@ class Blockwise:
     q_BTKGH, do_BTKGH = _split_heads(q_BTNH, K), _split_heads(dout_BTNH, K)
     # A row that saw nothing has lse -inf and every score masked: shift by 0 so exp gives 0.
     lse_BKGT = jnp.where(jnp.isneginf(lse_BKGT), 0.0, lse_BKGT)
-    skip_QS = mask.hidden(mask.summarize(q_seg, q_pos, bq), mask.summarize(kv_seg, kv_pos, bk))
+    skip_QS, kind_QS = _tile_kinds(q_seg, kv_seg, q_pos, kv_pos, bq, bk)
 
-    def tile(i, j):
+    def tile(i, j, masked):
       q_BQKGH = jax.lax.dynamic_slice_in_dim(q_BTKGH, i * bq, bq, axis=1)
       do_BQKGH = jax.lax.dynamic_slice_in_dim(do_BTKGH, i * bq, bq, axis=1)
       lse_BKGQ = jax.lax.dynamic_slice_in_dim(lse_BKGT, i * bq, bq, axis=3)
@@ -152,7 +154,9 @@ class Blockwise:
                              jax.lax.dynamic_slice_in_dim(q_pos, i * bq, bq, axis=1),
                              jax.lax.dynamic_slice_in_dim(kv_pos, j * bk, bk, axis=1))
       s_BKGQS = jnp.einsum("bqkgh,bskh->bkgqs", q_BQKGH, k_BSKH_j, preferred_element_type=_F32) * scale
-      p_BKGQS = jnp.where(vis_BQS[:, None, None], jnp.exp(s_BKGQS - lse_BKGQ[..., None]), 0.0)
+      p_BKGQS = jnp.exp(s_BKGQS - lse_BKGQ[..., None])
+      if masked:
+        p_BKGQS = jnp.where(vis_BQS[:, None, None], p_BKGQS, 0.0)
       dv_BSKH = jnp.einsum("bkgqs,bqkgh->bskh", p_BKGQS.astype(do_BQKGH.dtype), do_BQKGH,
                            preferred_element_type=_F32)
       dp_BKGQS = jnp.einsum("bqkgh,bskh->bkgqs", do_BQKGH, v_BSKH_j, preferred_element_type=_F32)
@@ -169,7 +173,8 @@ class Blockwise:
       dq_BTKGH, dk_BSKH, dv_BSKH = carry
       # The cond yields one tile's gradients; the accumulators stay outside it so nothing large is copied.
       zeros = (jnp.zeros((B, bq, K, N // K, H), _F32), jnp.zeros((B, bk, K, H), _F32), jnp.zeros((B, bk, K, H), _F32))
-      dq_tile, dk_tile, dv_tile = jax.lax.cond(skip_QS[i, j], lambda: zeros, lambda: tile(i, j))
+      dq_tile, dk_tile, dv_tile = jax.lax.switch(
+          kind_QS[i, j], [lambda: zeros, functools.partial(tile, i, j, True), functools.partial(tile, i, j, False)])
       return add_at(dq_BTKGH, dq_tile, i * bq), dk_BSKH + dk_tile, dv_BSKH + dv_tile
 
     def kv_block(j, grads):
@@ -186,6 +191,14 @@ class Blockwise:
       dq_BTKGH, dk_BSKH, dv_BSKH = jax.lax.fori_loop(0, _trips(skip_QS, S // bk), kv_block,
                                                      (_split_heads(dq_BTNH, K), dk_BSKH, dv_BSKH))
     return dq_BTKGH.reshape(B, T, N, H), dk_BSKH, dv_BSKH
+
+
+def _tile_kinds(q_seg, kv_seg, q_pos, kv_pos, bq, bk):
+  """(hidden [nq, nk], kind [nq, nk]): kind 0 skips a hidden tile, 1 computes it under the mask, 2 computes a tile
+  the mask fully shows without building the mask."""
+  q_summary, kv_summary = mask.summarize(q_seg, q_pos, bq), mask.summarize(kv_seg, kv_pos, bk)
+  hidden = mask.hidden(q_summary, kv_summary)
+  return hidden, jnp.where(hidden, 0, jnp.where(mask.full(q_summary, kv_summary), 2, 1))
 
 
 def _trips(skip_QS, n):

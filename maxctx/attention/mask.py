@@ -27,7 +27,8 @@ def visible(q_segment_ids, kv_segment_ids, q_positions, kv_positions):
 
 def summarize(segment_ids_BT, positions_BT, block: int):
   """Per block of `block` tokens and per row: (lowest segment, its lowest position, highest segment, its highest
-  position) over the non-padding tokens, each [B, T // block]. An all-padding block gets lowest = INT32_MAX, highest 0."""
+  position) over the non-padding tokens, and whether the block has padding, each [B, T // block]. An all-padding
+  block gets lowest = INT32_MAX, highest 0."""
   B, T = segment_ids_BT.shape
   seg = segment_ids_BT.reshape(B, T // block, block).astype(jnp.int32)
   pos = positions_BT.reshape(B, T // block, block).astype(jnp.int32)
@@ -36,14 +37,24 @@ def summarize(segment_ids_BT, positions_BT, block: int):
   lo_pos = jnp.min(jnp.where(real & (seg == lo_seg[..., None]), pos, _BIG), axis=-1)
   hi_seg = jnp.max(jnp.where(real, seg, 0), axis=-1)
   hi_pos = jnp.max(jnp.where(real & (seg == hi_seg[..., None]), pos, -1), axis=-1)
-  return lo_seg, lo_pos, hi_seg, hi_pos
+  return lo_seg, lo_pos, hi_seg, hi_pos, ~jnp.all(real, axis=-1)
 
 
 def hidden(q_summary, kv_summary):
   """Boolean [nq, nk]: True where no query of block i sees any key of block j, in every row of the batch."""
-  q_lo_seg, _, q_hi_seg, q_hi_pos = (x[:, :, None] for x in q_summary)
-  kv_lo_seg, kv_lo_pos, kv_hi_seg, _ = (x[:, None, :] for x in kv_summary)
+  q_lo_seg, _, q_hi_seg, q_hi_pos, _ = (x[:, :, None] for x in q_summary)
+  kv_lo_seg, kv_lo_pos, kv_hi_seg, _, _ = (x[:, None, :] for x in kv_summary)
   empty = (q_hi_seg == 0) | (kv_lo_seg == _BIG)
   disjoint = (q_hi_seg < kv_lo_seg) | (kv_hi_seg < q_lo_seg)
   later = (kv_lo_seg == q_hi_seg) & (kv_lo_pos > q_hi_pos)
   return jnp.all(empty | disjoint | later, axis=0)
+
+
+def full(q_summary, kv_summary):
+  """Boolean [nq, nk]: True where every query of block i sees every key of block j, in every row: one document
+  on both sides, no padding, and the key block's last position not after the query block's first. Such tiles need
+  no mask at all."""
+  q_lo_seg, q_lo_pos, q_hi_seg, _, q_pad = (x[:, :, None] for x in q_summary)
+  kv_lo_seg, _, kv_hi_seg, kv_hi_pos, kv_pad = (x[:, None, :] for x in kv_summary)
+  one_doc = (q_lo_seg == q_hi_seg) & (kv_lo_seg == kv_hi_seg) & (q_lo_seg == kv_lo_seg)
+  return jnp.all(one_doc & ~q_pad & ~kv_pad & (kv_hi_pos <= q_lo_pos), axis=0)

@@ -13,8 +13,8 @@ ring again, and with them float32 dK/dV accumulators: each device adds its contr
 passes the accumulator on, so after P hops every chunk's gradient arrives home complete.
 
 Memory: the buffers in flight (K/V arriving, dK/dV leaving) and the kernel's score tiles would not shrink with P if
-all heads travelled at once, so the ring runs one pass per group of `kv_heads_per_pass` KV heads (with their query
-heads): in-flight memory is that group's, and everything else is O(T/P).
+all heads travelled at once, so the ring runs one pass per KV head (with its query heads; USP needs at least U
+query heads per pass): in-flight memory is that head's, and everything else is O(T/P).
 
 `ring_attention` works on any cycle of the axis, so USP reuses it across its groups.
 """
@@ -30,6 +30,8 @@ from maxctx.attention.blockwise import Blockwise
 from maxctx.attention.registry import Strategy, register
 from maxctx.attention.ulysses import AllToAll
 
+# One KV head (with its query heads) per pass: in-flight buffers and score tiles are one head's, which also keeps a
+# tile in cache (on the CPU, passes of all 8 heads ran 1.5× slower than 8 passes of one).
 KV_HEADS_PER_PASS = 1
 
 
@@ -50,46 +52,42 @@ def ring_attention(parts: Blockwise, axis: str, perm: list[tuple[int, int]], hop
   def send(x):
     return jax.lax.ppermute(x, axis, perm)
 
+  # K with V, and segment ids with positions, travel stacked: one collective-permute each per hop instead of two.
   def ring_forward(q_BTNH, k_BTKH, v_BTKH, seg_BT, pos_BT):
-    def visit(state, kv):
-      k, v, kv_seg, kv_pos = kv
-      return parts.forward(state, q_BTNH, k, v, seg_BT, kv_seg, pos_BT, kv_pos)
+    def visit(state, kv_2BTKH, ids_2BT):
+      return parts.forward(state, q_BTNH, kv_2BTKH[0], kv_2BTKH[1], seg_BT, ids_2BT[0], pos_BT, ids_2BT[1])
 
     def hop(carry, _):
-      state, kv = carry
+      state, kv_2BTKH, ids_2BT = carry
       with jax.named_scope("ring_ppermute_kv"):
-        incoming = send(kv)   # issued before the compute on `kv` so the transfer overlaps it
-      return (visit(state, kv), incoming), None
+        incoming = send((kv_2BTKH, ids_2BT))   # issued before the compute on this chunk so the transfer overlaps it
+      return (visit(state, kv_2BTKH, ids_2BT), *incoming), None
 
-    kv = (k_BTKH, v_BTKH, seg_BT, pos_BT)
-    state = parts.init(q_BTNH, k_BTKH.shape[2])
-    (state, kv), _ = jax.lax.scan(hop, (state, kv), length=hops - 1)
-    return parts.finish(visit(state, kv), q_BTNH.dtype)
+    carry = (parts.init(q_BTNH, k_BTKH.shape[2]), jnp.stack([k_BTKH, v_BTKH]), jnp.stack([seg_BT, pos_BT]))
+    (state, kv_2BTKH, ids_2BT), _ = jax.lax.scan(hop, carry, length=hops - 1)
+    return parts.finish(visit(state, kv_2BTKH, ids_2BT), q_BTNH.dtype)
 
   def ring_backward(q_BTNH, k_BTKH, v_BTKH, seg_BT, pos_BT, lse, delta, dout_BTNH):
-
     def hop(carry, _):
-      dq, kv, dkv = carry
+      dq, kv_2BTKH, ids_2BT, dkv_2BTKH = carry
       with jax.named_scope("ring_ppermute_kv"):
-        incoming = send(kv)
-      k, v, kv_seg, kv_pos = kv
-      dq, dk, dv = parts.backward(q_BTNH, k, v, seg_BT, kv_seg, pos_BT, kv_pos, lse, delta, dout_BTNH,
-                                  grads=(dq, *dkv))
+        incoming = send((kv_2BTKH, ids_2BT))
+      dq, dk, dv = parts.backward(q_BTNH, kv_2BTKH[0], kv_2BTKH[1], seg_BT, ids_2BT[0], pos_BT, ids_2BT[1], lse,
+                                  delta, dout_BTNH, grads=(dq, dkv_2BTKH[0], dkv_2BTKH[1]))
       with jax.named_scope("ring_ppermute_dkv"):
         # The accumulators travel with their chunk; this hop overlaps the next chunk's compute.
-        dkv = send((dk, dv))
-      return (dq, incoming, dkv), None
+        dkv_2BTKH = send(jnp.stack([dk, dv]))
+      return (dq, *incoming, dkv_2BTKH), None
 
-    kv = (k_BTKH, v_BTKH, seg_BT, pos_BT)
-    dkv = (jnp.zeros(k_BTKH.shape, jnp.float32), jnp.zeros(v_BTKH.shape, jnp.float32))
-    carry = (jnp.zeros(q_BTNH.shape, jnp.float32), kv, dkv)
-    (dq, kv, dkv), _ = jax.lax.scan(hop, carry, length=hops - 1)
-    (dq, _, (dk, dv)), _ = hop((dq, kv, dkv), None)   # the last hop's K/V send is dead code, dropped by XLA
-    return dq, dk, dv
+    carry = (jnp.zeros(q_BTNH.shape, jnp.float32), jnp.stack([k_BTKH, v_BTKH]), jnp.stack([seg_BT, pos_BT]),
+             jnp.zeros((2, *k_BTKH.shape), jnp.float32))
+    carry, _ = jax.lax.scan(hop, carry, length=hops - 1)
+    (dq, _, _, dkv_2BTKH), _ = hop(carry, None)   # the last hop's K/V send is dead code, dropped by XLA
+    return dq, dkv_2BTKH[0], dkv_2BTKH[1]
 
   def plan(q_BTNH, k_BTKH):
-    """(passes, KV heads per pass, query heads per KV head): the fewest KV heads per pass that is at least
-    `kv_heads_per_pass` and whose query heads the all-to-all degree splits."""
+    """(passes, KV heads per pass, query heads per KV head): the fewest KV heads per pass, at least
+    `kv_heads_per_pass`, whose query heads the all-to-all degree splits."""
     N, K = q_BTNH.shape[2], k_BTKH.shape[2]
     G = N // K
     per = next(d for d in range(1, K + 1) if K % d == 0 and d * G % degree == 0 and d >= min(kv_heads_per_pass, K))
