@@ -1,4 +1,5 @@
-# make train: install into .venv and train the demo on 8 fake CPU devices.   make test: install and run every test.
+# make train: install into .venv and train the demo on 8 fake CPU devices.
+# make test: install the test and tpu extras (libtpu lets tests compile for TPU topologies here) and run every test.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -13,7 +14,7 @@ $(VENV)/.base: pyproject.toml
 	touch $@
 
 $(VENV)/.test: $(VENV)/.base
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e '.[test,tpu]'
 	touch $@
 
 install: $(VENV)/.base
