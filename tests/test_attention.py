@@ -74,10 +74,11 @@ def test_fully_masked_rows_are_zero_with_finite_gradients():
   assert all(bool(jnp.isfinite(g).all()) for g in grads)
 
 
-def test_hidden_never_hides_a_visible_pair():
-  """Soundness of the block-skip test: a tile pair it hides has no visible (query, key) pair, on random layouts."""
+def test_hidden_and_full_tiles_are_sound():
+  """The block tests on random layouts: a tile pair `hidden` skips has no visible (query, key) pair, and one `full`
+  computes without a mask has only visible pairs."""
   rng = np.random.default_rng(2)
-  hidden_some = False
+  hidden_some = full_some = False
   for trial in range(20):
     seg, pos = packed(rng, 2, 64, shuffle=trial % 3 == 0)
     if trial % 3 == 1:   # zigzag over 4 devices
@@ -85,8 +86,11 @@ def test_hidden_never_hides_a_visible_pair():
     vis = np.asarray(mask.visible(seg, seg, pos, pos)).reshape(2, 8, 8, 8, 8)
     hid = np.asarray(mask.hidden(mask.summarize(seg, pos, 8), mask.summarize(seg, pos, 8)))
     assert not np.any(hid[None, :, None, :, None] & vis)
+    whole = np.asarray(mask.full(mask.summarize(seg, pos, 8), mask.summarize(seg, pos, 8)))
+    assert np.all(vis | ~whole[None, :, None, :, None])
     hidden_some |= bool(hid.any())
-  assert hidden_some
+    full_some |= bool(whole.any())
+  assert hidden_some and full_some
 
 
 def test_zigzag_layout_balances_and_inverts():

@@ -6,6 +6,11 @@
 Inputs are global arrays: q [B, T, N, H], k and v [B, T, K, H], segment_ids and positions [B, T]; T is sharded over
 the mesh's context axis, heads over tensor, B over data×fsdp. The mask is `mask.visible` (design.md, "The attention
 contract"), so every strategy is exact under the zigzag layout.
+
+Modules: registry (names → strategies, `Problem`, shared checks) · all_gather · ulysses (all-to-all, KV-head
+replication) · ring (ppermute ring, custom_vjp) · usp (all-to-all in groups, ring across) · kernels (reference,
+blockwise, splash, cudnn) · blockwise (online softmax pieces) · mask (the mask and the block-skip tests) · layout
+(zigzag on the host).
 """
 
 from __future__ import annotations

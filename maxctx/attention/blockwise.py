@@ -78,12 +78,9 @@ class Blockwise:
       q_BQKGH = jax.lax.dynamic_slice_in_dim(q_BTKGH, i * bq, bq, axis=1)
       k_BSKH_j = jax.lax.dynamic_slice_in_dim(k_BSKH, j * bk, bk, axis=1)
       v_BSKH_j = jax.lax.dynamic_slice_in_dim(v_BSKH, j * bk, bk, axis=1)
-      vis_BQS = mask.visible(jax.lax.dynamic_slice_in_dim(q_seg, i * bq, bq, axis=1),
-                             jax.lax.dynamic_slice_in_dim(kv_seg, j * bk, bk, axis=1),
-                             jax.lax.dynamic_slice_in_dim(q_pos, i * bq, bq, axis=1),
-                             jax.lax.dynamic_slice_in_dim(kv_pos, j * bk, bk, axis=1))
       s_BKGQS = jnp.einsum("bqkgh,bskh->bkgqs", q_BQKGH, k_BSKH_j, preferred_element_type=_F32) * scale
       if masked:
+        vis_BQS = _tile_mask(q_seg, kv_seg, q_pos, kv_pos, i * bq, j * bk, bq, bk)
         s_BKGQS = jnp.where(vis_BQS[:, None, None], s_BKGQS, -jnp.inf)
       new_max = jnp.maximum(max_BKGQ, jnp.max(s_BKGQS, axis=-1))
       # A row that has seen nothing yet keeps max -inf; shift by 0 there so exp gives 0, not NaN.
@@ -100,7 +97,7 @@ class Blockwise:
       carry = (jax.lax.dynamic_slice_in_dim(acc, i * bq, bq, axis=3),
                jax.lax.dynamic_slice_in_dim(mx, i * bq, bq, axis=3),
                jax.lax.dynamic_slice_in_dim(den, i * bq, bq, axis=3))
-      # The cond carries one tile's state only: a cond over the whole state would copy it.
+      # The switch carries one tile's state only: a switch over the whole state would copy it.
       carry = jax.lax.fori_loop(0, S // bk, lambda j, c: jax.lax.switch(
           kind_QS[i, j], [lambda c: c, functools.partial(tile, i, j, True), functools.partial(tile, i, j, False)], c),
           carry)
@@ -149,13 +146,10 @@ class Blockwise:
       delta_BKGQ = jax.lax.dynamic_slice_in_dim(delta_BKGT, i * bq, bq, axis=3)
       k_BSKH_j = jax.lax.dynamic_slice_in_dim(k_BSKH, j * bk, bk, axis=1)
       v_BSKH_j = jax.lax.dynamic_slice_in_dim(v_BSKH, j * bk, bk, axis=1)
-      vis_BQS = mask.visible(jax.lax.dynamic_slice_in_dim(q_seg, i * bq, bq, axis=1),
-                             jax.lax.dynamic_slice_in_dim(kv_seg, j * bk, bk, axis=1),
-                             jax.lax.dynamic_slice_in_dim(q_pos, i * bq, bq, axis=1),
-                             jax.lax.dynamic_slice_in_dim(kv_pos, j * bk, bk, axis=1))
       s_BKGQS = jnp.einsum("bqkgh,bskh->bkgqs", q_BQKGH, k_BSKH_j, preferred_element_type=_F32) * scale
       p_BKGQS = jnp.exp(s_BKGQS - lse_BKGQ[..., None])
       if masked:
+        vis_BQS = _tile_mask(q_seg, kv_seg, q_pos, kv_pos, i * bq, j * bk, bq, bk)
         p_BKGQS = jnp.where(vis_BQS[:, None, None], p_BKGQS, 0.0)
       dv_BSKH = jnp.einsum("bkgqs,bqkgh->bskh", p_BKGQS.astype(do_BQKGH.dtype), do_BQKGH,
                            preferred_element_type=_F32)
@@ -191,6 +185,16 @@ class Blockwise:
       dq_BTKGH, dk_BSKH, dv_BSKH = jax.lax.fori_loop(0, _trips(skip_QS, S // bk), kv_block,
                                                      (_split_heads(dq_BTNH, K), dk_BSKH, dv_BSKH))
     return dq_BTKGH.reshape(B, T, N, H), dk_BSKH, dv_BSKH
+
+
+def _tile_mask(q_seg, kv_seg, q_pos, kv_pos, q_start, kv_start, bq, bk):
+  def q_part(x):
+    return jax.lax.dynamic_slice_in_dim(x, q_start, bq, axis=1)
+
+  def kv_part(x):
+    return jax.lax.dynamic_slice_in_dim(x, kv_start, bk, axis=1)
+
+  return mask.visible(q_part(q_seg), kv_part(kv_seg), q_part(q_pos), kv_part(kv_pos))
 
 
 def _tile_kinds(q_seg, kv_seg, q_pos, kv_pos, bq, bk):
