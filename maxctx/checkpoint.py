@@ -246,7 +246,11 @@ class Checkpoints:
         max_to_keep=c.keep, enable_async_checkpointing=c.async_save, create=self.enabled,
         cleanup_tmp_directories=True, save_interval_steps=1)
     self._manager = ocp.CheckpointManager(self.directory, options=options, handler_registry=_registry())
-    self._candidates = self._plan(sorted(self._manager.all_steps()))
+    try:
+      self._candidates = self._plan(sorted(self._manager.all_steps()))
+    except BaseException:
+      self._manager.close()  # Its threads would outlive the refusal otherwise.
+      raise
 
   def __enter__(self) -> Checkpoints:
     return self

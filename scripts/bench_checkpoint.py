@@ -1,12 +1,12 @@
 """What checkpointing costs the training loop: the demo's step time with no saving, an async save every step, and (for
 contrast) a blocking save every step, over the same number of steps.
 
-  python scripts/bench_checkpoint.py [--steps 30] [--json out.json] [section.key=value ...]
+  python scripts/bench_checkpoint.py [--steps 30] [--repeats 1] [--json out.json] [section.key=value ...]
 
 Each mode trains the demo from scratch in its own output directory (8 fake CPU devices unless XLA_FLAGS says
 otherwise). Step times come from the run's TensorBoard `step_time` (the time between reading consecutive steps'
 metrics, so a save's wait lands in the step after it); step 1 holds compilation and is left out. `loop s` is the
-wall time of steps 2..N; `overhead` compares it with no saving.
+wall time of steps 2..N; `overhead` compares it with no saving. With --repeats each figure is the median over runs.
 """
 
 from __future__ import annotations
@@ -45,19 +45,24 @@ def _size(directory: pathlib.Path) -> int:
   return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
 
 
-def bench(steps: int, overrides: list[str], root: pathlib.Path) -> list[dict]:
-  rows = []
-  for name, keys in MODES.items():
-    out = root / name.replace(" ", "_")
-    config = config_lib.load("configs/demo.yml", [f"run.output_dir={out}", f"run.steps={steps}", "metrics.log_every=1",
-                                                  "checkpoint.keep=2", *overrides, *keys])
-    train.run(config)
-    times = _step_times(out / "tensorboard")[1:]
-    ckpt = out / "checkpoints"
-    step_dir = ckpt / str(steps)
-    rows.append({"mode": name, "steps": steps, "median_step_s": float(np.median(times)),
-                 "mean_step_s": float(np.mean(times)), "loop_s": float(np.sum(times)),
-                 "checkpoint_mb": _size(step_dir) / 2**20 if step_dir.exists() else 0.0})
+def bench(steps: int, overrides: list[str], root: pathlib.Path, repeats: int = 1) -> list[dict]:
+  # Modes take turns (the order rotates each round), so a machine shared with other work slows them alike.
+  runs: dict[str, list[dict]] = {name: [] for name in MODES}
+  names = list(MODES)
+  for r in range(repeats):
+    for name in names[r % len(names):] + names[:r % len(names)]:
+      out = root / f"{name.replace(' ', '_')}_{r}"
+      config = config_lib.load("configs/demo.yml", [f"run.output_dir={out}", f"run.steps={steps}",
+                                                    "metrics.log_every=1", "checkpoint.keep=2", *overrides,
+                                                    *MODES[name]])
+      train.run(config)
+      times = _step_times(out / "tensorboard")[1:]
+      step_dir = out / "checkpoints" / str(steps)
+      runs[name].append({"median_step_s": float(np.median(times)), "mean_step_s": float(np.mean(times)),
+                         "loop_s": float(np.sum(times)),
+                         "checkpoint_mb": _size(step_dir) / 2**20 if step_dir.exists() else 0.0})
+  rows = [{"mode": name, "steps": steps, "repeats": repeats,
+           **{k: float(np.median([x[k] for x in runs[name]])) for k in runs[name][0]}} for name in names]
   base = rows[0]["loop_s"]
   for r in rows:
     r["overhead"] = r["loop_s"] / base - 1
@@ -77,12 +82,13 @@ def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--steps", type=int, default=30)
+  parser.add_argument("--repeats", type=int, default=1, help="runs per mode, taking turns; medians are reported")
   parser.add_argument("--json", help="also write the rows to this file")
   parser.add_argument("overrides", nargs="*", help="section.key=value for every mode, e.g. data.seq_len=256")
   args = parser.parse_args(argv)
   train.setup_logging()
   with tempfile.TemporaryDirectory(prefix="bench_checkpoint_") as root:
-    rows = bench(args.steps, args.overrides, pathlib.Path(root))
+    rows = bench(args.steps, args.overrides, pathlib.Path(root), args.repeats)
   print(table(rows))
   if args.json:
     pathlib.Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")

@@ -21,7 +21,8 @@ from maxctx import checkpoint, config, data, mesh as mesh_lib, train
 from maxctx.errors import CheckpointError, ConfigError, MaxctxError
 from maxctx.trainer import Trainer
 
-BASE = ["data.seq_len=64", "metrics.tensorboard=false", "metrics.log_every=100", "checkpoint.every_steps=2"]
+BASE = ["data.source=synthetic", "data.seq_len=64", "metrics.tensorboard=false", "metrics.log_every=100",
+        "checkpoint.every_steps=2"]
 
 
 def _config(out_dir, *overrides):
