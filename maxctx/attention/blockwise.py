@@ -69,8 +69,8 @@ class Blockwise:
     B, T, N, H = q_BTNH.shape
     S, K = k_BSKH.shape[1], k_BSKH.shape[2]
     bq, bk = self._blocks(T, S)
-    scale = H**-0.5
-    q_BTKGH = _split_heads(q_BTNH, K)
+    # Scaling q once per chunk saves a pass over every score tile.
+    q_BTKGH = _split_heads((q_BTNH * H**-0.5).astype(q_BTNH.dtype), K)
     skip_QS, kind_QS = _tile_kinds(q_seg, kv_seg, q_pos, kv_pos, bq, bk)
 
     def tile(i, j, masked, carry):
@@ -78,7 +78,7 @@ class Blockwise:
       q_BQKGH = jax.lax.dynamic_slice_in_dim(q_BTKGH, i * bq, bq, axis=1)
       k_BSKH_j = jax.lax.dynamic_slice_in_dim(k_BSKH, j * bk, bk, axis=1)
       v_BSKH_j = jax.lax.dynamic_slice_in_dim(v_BSKH, j * bk, bk, axis=1)
-      s_BKGQS = jnp.einsum("bqkgh,bskh->bkgqs", q_BQKGH, k_BSKH_j, preferred_element_type=_F32) * scale
+      s_BKGQS = jnp.einsum("bqkgh,bskh->bkgqs", q_BQKGH, k_BSKH_j, preferred_element_type=_F32)
       if masked:
         vis_BQS = _tile_mask(q_seg, kv_seg, q_pos, kv_pos, i * bq, j * bk, bq, bk)
         s_BKGQS = jnp.where(vis_BQS[:, None, None], s_BKGQS, -jnp.inf)
@@ -133,8 +133,9 @@ class Blockwise:
     B, T, N, H = q_BTNH.shape
     S, K = k_BSKH.shape[1], k_BSKH.shape[2]
     bq, bk = self._blocks(T, S)
+    # With q scaled once, ds · (scaled q) is dk already and only the [block_q, H] dq tile needs the scale.
     scale = H**-0.5
-    q_BTKGH, do_BTKGH = _split_heads(q_BTNH, K), _split_heads(dout_BTNH, K)
+    q_BTKGH, do_BTKGH = _split_heads((q_BTNH * scale).astype(q_BTNH.dtype), K), _split_heads(dout_BTNH, K)
     # A row that saw nothing has lse -inf and every score masked: shift by 0 so exp gives 0.
     lse_BKGT = jnp.where(jnp.isneginf(lse_BKGT), 0.0, lse_BKGT)
     skip_QS, kind_QS = _tile_kinds(q_seg, kv_seg, q_pos, kv_pos, bq, bk)
@@ -146,7 +147,7 @@ class Blockwise:
       delta_BKGQ = jax.lax.dynamic_slice_in_dim(delta_BKGT, i * bq, bq, axis=3)
       k_BSKH_j = jax.lax.dynamic_slice_in_dim(k_BSKH, j * bk, bk, axis=1)
       v_BSKH_j = jax.lax.dynamic_slice_in_dim(v_BSKH, j * bk, bk, axis=1)
-      s_BKGQS = jnp.einsum("bqkgh,bskh->bkgqs", q_BQKGH, k_BSKH_j, preferred_element_type=_F32) * scale
+      s_BKGQS = jnp.einsum("bqkgh,bskh->bkgqs", q_BQKGH, k_BSKH_j, preferred_element_type=_F32)
       p_BKGQS = jnp.exp(s_BKGQS - lse_BKGQ[..., None])
       if masked:
         vis_BQS = _tile_mask(q_seg, kv_seg, q_pos, kv_pos, i * bq, j * bk, bq, bk)
@@ -154,9 +155,9 @@ class Blockwise:
       dv_BSKH = jnp.einsum("bkgqs,bqkgh->bskh", p_BKGQS.astype(do_BQKGH.dtype), do_BQKGH,
                            preferred_element_type=_F32)
       dp_BKGQS = jnp.einsum("bqkgh,bskh->bkgqs", do_BQKGH, v_BSKH_j, preferred_element_type=_F32)
-      ds_BKGQS = (p_BKGQS * (dp_BKGQS - delta_BKGQ[..., None]) * scale).astype(q_BQKGH.dtype)
+      ds_BKGQS = (p_BKGQS * (dp_BKGQS - delta_BKGQ[..., None])).astype(q_BQKGH.dtype)
       dk_BSKH = jnp.einsum("bkgqs,bqkgh->bskh", ds_BKGQS, q_BQKGH, preferred_element_type=_F32)
-      dq_BQKGH = jnp.einsum("bkgqs,bskh->bqkgh", ds_BKGQS, k_BSKH_j, preferred_element_type=_F32)
+      dq_BQKGH = jnp.einsum("bkgqs,bskh->bqkgh", ds_BKGQS, k_BSKH_j, preferred_element_type=_F32) * scale
       return dq_BQKGH, dk_BSKH, dv_BSKH
 
     def add_at(full, part, start, axis=1):
