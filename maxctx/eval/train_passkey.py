@@ -49,8 +49,14 @@ def run(config: Config, mesh: Mesh, sweep: sweep_lib.Sweep | None) -> Any:
 
     state = trainer.init(jax.random.key(config.run.seed))
     start = last = time.perf_counter()
+    previous = None
     for step in range(1, config.run.steps + 1):
       state, step_metrics = trainer.step(state, batch(step - 1))
+      # At most two steps in flight: with many queued, XLA:CPU's fake devices can deadlock in a collective (each
+      # step's participants hold pool threads that the earlier step's stragglers need).
+      if previous is not None:
+        jax.block_until_ready(previous)
+      previous = step_metrics["loss"]
       if step % config.metrics.log_every == 0 or step == config.run.steps:
         values = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
         if not values.pop("finite"):
