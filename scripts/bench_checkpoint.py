@@ -6,7 +6,9 @@ contrast) a blocking save every step, over the same number of steps.
 Each mode trains the demo from scratch in its own output directory (8 fake CPU devices unless XLA_FLAGS says
 otherwise). Step times come from the run's TensorBoard `step_time` (the time between reading consecutive steps'
 metrics, so a save's wait lands in the step after it); step 1 holds compilation and is left out. `loop s` is the
-wall time of steps 2..N; `overhead` compares it with no saving. With --repeats each figure is the median over runs.
+wall time of steps 2..N; `overhead` compares it with no saving. `loop waits per save` is the median time a
+Checkpoints.save call holds the loop (the first save, which sets Orbax up, is left out). With --repeats each figure is
+the median over runs.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import os
 import pathlib
 import sys
 import tempfile
+import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -24,6 +27,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # Runs 
 
 import numpy as np  # noqa: E402
 
+from maxctx import checkpoint  # noqa: E402
 from maxctx import config as config_lib  # noqa: E402
 from maxctx import train  # noqa: E402
 
@@ -45,6 +49,29 @@ def _size(directory: pathlib.Path) -> int:
   return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
 
 
+class _TimedSaves:
+  """Times each Checkpoints.save call: what the loop waits per save, steadier than step times on a busy machine."""
+
+  def __init__(self):
+    self.seconds: list[float] = []
+    self._save = checkpoint.Checkpoints.save
+
+  def __enter__(self):
+    timed = self
+
+    def save(ckpt, *args, **kwargs):
+      t = time.perf_counter()
+      out = timed._save(ckpt, *args, **kwargs)
+      timed.seconds.append(time.perf_counter() - t)
+      return out
+
+    checkpoint.Checkpoints.save = save
+    return self
+
+  def __exit__(self, *exc):
+    checkpoint.Checkpoints.save = self._save
+
+
 def bench(steps: int, overrides: list[str], root: pathlib.Path, repeats: int = 1) -> list[dict]:
   # Modes take turns (the order rotates each round), so a machine shared with other work slows them alike.
   runs: dict[str, list[dict]] = {name: [] for name in MODES}
@@ -55,11 +82,13 @@ def bench(steps: int, overrides: list[str], root: pathlib.Path, repeats: int = 1
       config = config_lib.load("configs/demo.yml", [f"run.output_dir={out}", f"run.steps={steps}",
                                                     "metrics.log_every=1", "checkpoint.keep=2", *overrides,
                                                     *MODES[name]])
-      train.run(config)
+      with _TimedSaves() as saves:
+        train.run(config)
       times = _step_times(out / "tensorboard")[1:]
       step_dir = out / "checkpoints" / str(steps)
       runs[name].append({"median_step_s": float(np.median(times)), "mean_step_s": float(np.mean(times)),
                          "loop_s": float(np.sum(times)),
+                         "save_call_s": float(np.median(saves.seconds[1:])) if len(saves.seconds) > 1 else 0.0,
                          "checkpoint_mb": _size(step_dir) / 2**20 if step_dir.exists() else 0.0})
   rows = [{"mode": name, "steps": steps, "repeats": repeats,
            **{k: float(np.median([x[k] for x in runs[name]])) for k in runs[name][0]}} for name in names]
@@ -70,11 +99,12 @@ def bench(steps: int, overrides: list[str], root: pathlib.Path, repeats: int = 1
 
 
 def table(rows: list[dict]) -> str:
-  lines = ["| mode | steps | median step s | mean step s | loop s (steps 2..N) | overhead | checkpoint MB |",
-           "|---|---|---|---|---|---|---|"]
+  lines = ["| mode | steps | median step s | mean step s | loop s (steps 2..N) | overhead | loop waits per save s "
+           "| checkpoint MB |", "|---|---|---|---|---|---|---|---|"]
   for r in rows:
     lines.append(f"| {r['mode']} | {r['steps']} | {r['median_step_s']:.3f} | {r['mean_step_s']:.3f} | "
-                 f"{r['loop_s']:.2f} | {100 * r['overhead']:+.1f}% | {r['checkpoint_mb']:.1f} |")
+                 f"{r['loop_s']:.2f} | {100 * r['overhead']:+.1f}% | {r['save_call_s']:.3f} | "
+                 f"{r['checkpoint_mb']:.1f} |")
   return "\n".join(lines)
 
 
