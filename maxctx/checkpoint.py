@@ -37,7 +37,6 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.sharding import Mesh
 
-from maxctx import sharding
 from maxctx.config import Config
 from maxctx.errors import CheckpointError, ConfigError
 from maxctx.trainer import Trainer, TrainState
@@ -365,7 +364,7 @@ class Checkpoints:
       except Exception as e:  # noqa: BLE001
         self._corrupt(step, e, self._candidates[i + 1:])
         continue
-      pipeline.restore(self._data_state_for_mesh(restored[DATA].state))
+      pipeline.restore(restored[DATA].state)
       self._log_changes(step, meta)
       log.info("checkpoint: restored step %d from %s in %.1fs (saved on mesh %s, restored onto %s)", step,
                self.step_path(step), time.perf_counter() - t, meta.get("mesh"), dict(self._mesh.shape))
@@ -395,16 +394,6 @@ class Checkpoints:
     then = f"using step {rest[0]}" if rest else "no earlier step is left"
     log.warning("checkpoint: step %d in %s cannot be read (%s); moved it to %s, %s.", step, self.directory, _why(e),
                 aside, then)
-
-  def _data_state_for_mesh(self, state: dict) -> dict:
-    # The data position does not depend on the context degree (the zigzag layout is applied to each batch as it is
-    # made) but maxctx.data's state records it, so a resharded resume updates it rather than being refused. The rows
-    # a process makes are still checked by the pipeline.
-    saved = state.get("config", {})
-    context = self._mesh.shape[sharding.SEQ_AXIS]
-    if "context" in saved and saved["context"] != context:
-      state = {**state, "config": {**saved, "context": context}}
-    return state
 
   def _log_changes(self, step: int, meta: dict) -> None:
     before, after = _flat(meta["config"]), _flat(self._config.to_dict())
