@@ -25,6 +25,7 @@ from maxctx import config as config_lib
 from maxctx import data as data_lib
 from maxctx import mesh as mesh_lib
 from maxctx import metrics as metrics_lib
+from maxctx.eval import sweep as eval_sweep
 from maxctx.errors import MaxctxError
 from maxctx.trainer import Trainer, validate
 
@@ -62,6 +63,7 @@ def run(config: config_lib.Config) -> list[float]:
   with jax.set_mesh(mesh), checkpoints, checkpoint_lib.Preemption() as preemption, reporter:
     trainer = Trainer(config, mesh)
     pipeline = data_lib.build(config, mesh)
+    evaluator = eval_sweep.during_training(config, mesh)  # None unless eval.every_steps; checked before compiling
     state = checkpoints.restore_or_init(trainer, pipeline)
     start = int(jax.device_get(state.step))
     if start >= config.run.steps:
@@ -82,6 +84,10 @@ def run(config: config_lib.Config) -> list[float]:
         reporter.report(*pending, checkpoints)
         pending = None
         checkpoints.save(done, state, pipeline.state(), wait=stop)
+      if evaluator is not None and (done % config.eval.every_steps == 0 or done == config.run.steps):
+        records = evaluator.run(state.params)
+        reporter.writer.scalars(done, eval_sweep.scalars(records))
+        log.info("eval at step %d: %s", done, eval_sweep.summary(records))
       if stop:
         then = "rerun the same command to continue" if checkpoints.enabled else "a rerun starts over"
         log.info("preempted: stopped after step %d; %s; %s.", done, checkpoints.last_good(), then)

@@ -94,3 +94,11 @@ def test_non_finite_loss_is_skipped_or_stops(tmp_path, policy):
   if policy == "skip":
     np.testing.assert_array_equal(after, before)
     assert int(new.step) == 1
+
+
+def test_eval_during_training_logs_scalars(tmp_path):
+  c = config.load("configs/demo.yml", [
+      f"run.output_dir={tmp_path}", "run.steps=2", "checkpoint.every_steps=0", "eval.every_steps=2",
+      "eval.lengths=128", "eval.depths=0,1", "eval.samples=1", "eval.tasks=passkey"])
+  train.run(c)
+  assert "eval/passkey/128" in _scalar_tags(tmp_path / "tensorboard")
