@@ -79,6 +79,16 @@ def _rows_of_synthetic(config: Config, rows: Sequence[int]) -> list[grain.IterDa
   return [steps.map(lambda i, r=r: synthetic.row(seed, i, r, d.seq_len, vocab)).to_iter_dataset(_READ) for r in rows]
 
 
+def _rows_of_passkey(config: Config, rows: Sequence[int]) -> list[grain.IterDataset]:
+  # Generated passkey retrieval rows (the passkey demo); the generator lives with the eval tasks it mirrors.
+  from maxctx.eval import passkey_data, sweep, tasks  # here, not at the top: maxctx.eval imports the trainer
+  pieces = tasks.Pieces(sweep.tokenizer_for(config))
+  d, seed = config.data, config.run.seed
+  steps = grain.MapDataset.range(1 << 62)
+  return [steps.map(lambda i, r=r: passkey_data.row(pieces, seed, i, r, d.seq_len)).to_iter_dataset(_READ)
+          for r in rows]
+
+
 class Stack(grain.transforms.Map):
   """Row dicts → one dict of [rows, seq_len] arrays, zigzagged over `context` when load balancing."""
 
@@ -97,6 +107,8 @@ def local_dataset(config: Config, rows: Sequence[int], context: int) -> tuple[gr
   d = config.data
   if d.source == "synthetic":
     streams, bad = _rows_of_synthetic(config, rows), None
+  elif d.source == "passkey":
+    streams, bad = _rows_of_passkey(config, rows), None
   else:
     tok = tokenizer_for(config)
     source, bad = sources.open_source(d, has_tokenizer=tok is not None)

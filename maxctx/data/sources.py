@@ -286,6 +286,6 @@ def open_source(data, has_tokenizer: bool):
   elif data.source == "tfds":
     src = Tfds(data.path, data.text_field, not has_tokenizer, bad)
   else:
-    raise ConfigError(f"data.source {data.source!r} is not one of synthetic, stdlib, text, jsonl, arrayrecord, tfds.")
+    raise ConfigError(f"data.source {data.source!r} is not one of synthetic, passkey, stdlib, text, jsonl, arrayrecord, tfds.")
   log.info("data.source=%s: %d documents (indexed in %.1fs)", data.source, len(src), time.monotonic() - start)
   return src, bad
