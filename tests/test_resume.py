@@ -64,16 +64,17 @@ def _run_to_end(out_dir, env) -> tuple[subprocess.CompletedProcess, dict[int, fl
   return result, _losses(new)
 
 
-def _run_until(out_dir, env, step: int, sig: int) -> tuple[subprocess.Popen, str, float]:
-  """Starts the command and sends `sig` once it has logged step `step`; returns the process, its output so far, and
-  the time the signal was sent."""
+def _run_until(out_dir, env, step: int, sig: int | None) -> tuple[subprocess.Popen, str, float]:
+  """Starts the command and sends `sig` (if any) once it has logged step `step`; returns the process, its output so
+  far, and the time the signal was sent."""
   proc = subprocess.Popen(_command(out_dir), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                           cwd=ROOT)
   seen = []
   for line in proc.stdout:
     seen.append(line)
     if f"step {step}/{STEPS} " in line:
-      proc.send_signal(sig)
+      if sig is not None:
+        proc.send_signal(sig)
       return proc, "".join(seen), time.monotonic()
   proc.wait()
   pytest.fail(f"the run ended before step {step}:\n" + "".join(seen[-40:]))
@@ -94,14 +95,27 @@ def _resumed_step(stdout: str) -> int:
   pytest.fail("the rerun did not restore a checkpoint:\n" + stdout[-3000:])
 
 
+def _complete_steps(out_dir) -> list[int]:
+  """Steps whose save has finished: Orbax renames a step's directory to its number only once every file is down."""
+  return sorted(int(p.name) for p in (pathlib.Path(out_dir) / "checkpoints").glob("*") if p.name.isdigit())
+
+
 def test_sigkill_between_saves_resumes_bit_for_bit(tmp_path, env, uninterrupted):
   kill_after = random.choice([s for s in range(EVERY + 1, 3 * EVERY) if s % EVERY])
-  proc, _, _ = _run_until(tmp_path, env, kill_after, signal.SIGKILL)
-  proc.wait(timeout=60)
-  assert proc.returncode == -signal.SIGKILL
+  proc, _, _ = _run_until(tmp_path, env, kill_after, None)
+  # Saves are asynchronous: on an idle machine the run can pass step `kill_after` before the save before it is
+  # down. Kill once one is, so the crash always lands with a complete step behind it (and maybe one half-written).
+  deadline = time.monotonic() + 60
+  while not _complete_steps(tmp_path) and time.monotonic() < deadline and proc.poll() is None:
+    time.sleep(0.01)
+  proc.send_signal(signal.SIGKILL)
+  proc.communicate(timeout=60)
+  assert proc.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+  complete = _complete_steps(tmp_path)
+  assert complete, "no save finished within 60 s"
   result, resumed = _run_to_end(tmp_path, env)
   start = _resumed_step(result.stdout)
-  assert start % EVERY == 0 and EVERY <= start <= kill_after + EVERY, (start, kill_after)
+  assert start == complete[-1] and start % EVERY == 0, (start, complete, kill_after)
   assert sorted(resumed) == list(range(start + 1, STEPS + 1))
   for step, loss in resumed.items():
     assert loss == uninterrupted[step], f"killed after step {kill_after}, resumed at {start}: step {step} differs"
