@@ -146,6 +146,12 @@ class EvalConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class CompileConfig:
+  topology: str
+  num_slices: int
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
   run: RunConfig
   model: ModelConfig
@@ -156,6 +162,7 @@ class Config:
   checkpoint: CheckpointConfig
   metrics: MetricsConfig
   eval: EvalConfig
+  compile: CompileConfig
 
   def to_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
