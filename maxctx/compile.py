@@ -219,7 +219,9 @@ def compile_for(config, options: CompileOptions) -> dict[str, Any]:
     try:
       compiled = lowered.compile()
     except jax.errors.JaxRuntimeError as e:
-      if "RESOURCE_EXHAUSTED" not in str(e):
+      # Over HBM, libtpu either says so (RESOURCE_EXHAUSTED) or, with --xla_tpu_no_crash_on_oom, may finish with a
+      # program it then refuses to load (INVALID_ARGUMENT: Invalid TPU program); both mean "does not fit".
+      if "RESOURCE_EXHAUSTED" not in str(e) and "Invalid TPU program" not in str(e):
         raise
       compiled, message = None, str(e)
   report["compile_seconds"] = round(time.perf_counter() - start, 1)
@@ -287,7 +289,8 @@ def format_report(r: dict[str, Any]) -> str:
   if r["memory"] is None:
     needed = r.get("required_bytes")
     bound = "at least " if r.get("required_is_lower_bound") else ""
-    lines += [f"  memory per device: compile ran out of HBM; needs {bound}{_gib(needed)} of {_gib(hbm)}",
+    need = f"needs {bound}{_gib(needed)}" if needed is not None else "the compiler gave no size"
+    lines += [f"  memory per device: compile ran out of HBM; {need} of {_gib(hbm)}",
               f"  compiler: {r['error']}",
               f"  does not fit" + (f": {bound}{_gib(r['over_bytes'])} over" if r["over_bytes"] is not None else "")]
     return "\n".join(lines)
