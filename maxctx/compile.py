@@ -253,10 +253,7 @@ def compile_for(config, options: CompileOptions) -> dict[str, Any]:
 
 def _validate(trainer_lib, config, num_devices: int, num_slices: int) -> dict[str, int]:
   # Kernels are checked against the platform that will run them (TPU), not the host's.
-  import inspect
-  if "platform" in inspect.signature(trainer_lib.validate).parameters:
-    return trainer_lib.validate(config, num_devices, num_slices, platform="tpu")
-  return trainer_lib.validate(config, num_devices, num_slices)
+  return trainer_lib.validate(config, num_devices, num_slices, platform="tpu")
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ import numpy as np
 from maxctx import checkpoint as checkpoint_lib
 from maxctx import config as config_lib
 from maxctx import data as data_lib
+from maxctx import distributed
 from maxctx import mesh as mesh_lib
 from maxctx import metrics as metrics_lib
 from maxctx.eval import sweep as eval_sweep
@@ -31,7 +32,8 @@ from maxctx.trainer import Trainer, validate
 
 log = logging.getLogger("maxctx")
 
-USAGE = "usage: python -m maxctx.train CONFIG.yml [section.key=value ...]"
+USAGE = ("usage: python -m maxctx.train CONFIG.yml [--coordinator=HOST:PORT --num-processes=N --process-id=I] "
+         "[section.key=value ...]")
 
 
 def setup_logging() -> None:
@@ -159,8 +161,9 @@ def main(argv: list[str] | None = None) -> int:
   if not argv or argv[0] in ("-h", "--help"):
     print(USAGE)
     return 0 if argv else 2
-  setup_logging()
   try:
+    argv = distributed.initialize(argv)  # before anything touches a device; the logs then name the process
+    setup_logging()
     config = config_lib.load(argv[0], argv[1:])
     run(config)
   except MaxctxError as e:

@@ -26,8 +26,9 @@ class TrainState:
   opt_state: Any
 
 
-def validate(config: Config, num_devices: int, num_slices: int = 1) -> dict[str, int]:
-  """Every check a user's config can fail, with one-sentence errors; returns the mesh axis sizes."""
+def validate(config: Config, num_devices: int, num_slices: int = 1, platform: str | None = None) -> dict[str, int]:
+  """Every check a user's config can fail, with one-sentence errors; returns the mesh axis sizes. `platform` is the
+  one the step will run on (default: this process's backend; `tpu` when compiling ahead of time from a CPU)."""
   sizes = mesh_lib.axis_sizes(config.mesh, num_devices, num_slices)
   m, d, o = config.model, config.data, config.optim
   if m.n_heads % m.n_kv_heads:
@@ -58,7 +59,7 @@ def validate(config: Config, num_devices: int, num_slices: int = 1) -> dict[str,
       context=sizes["context"], tensor=sizes["tensor"], n_heads=m.n_heads, n_kv_heads=m.n_kv_heads,
       seq_len=d.seq_len, kernel=config.attention.kernel, load_balance=config.attention.load_balance,
       ulysses_degree=config.attention.ulysses_degree, block_q=config.attention.block_q,
-      block_kv=config.attention.block_kv))
+      block_kv=config.attention.block_kv, platform=platform))
   return sizes
 
 
