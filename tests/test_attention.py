@@ -190,18 +190,19 @@ def blockwise_one_device_temp():
                                          spec((b, t), jnp.int32)).compile())
 
 
-@pytest.mark.parametrize("strategy, kw, ratio", [
-    ("ring", {}, 0.2),
-    # usp's passes must hold at least U query heads (here 2 of 8) where the ring's hold one, plus the all-to-all
-    # buffers of a pass: more in flight (measured 0.27; the issue asks 0.2, see the report).
-    ("usp", dict(ulysses_degree=2), 0.3),
+@pytest.mark.parametrize("strategy, kw", [
+    ("ring", {}),
+    # Known gap (issue 3, acceptance 3): usp's passes hold at least U query heads (here 2 of 8) where the ring's hold
+    # one, plus the all-to-all buffers of a pass; measured 0.27 of the baseline. strict: passing flags the fix.
+    pytest.param("usp", dict(ulysses_degree=2), marks=pytest.mark.xfail(
+        strict=True, reason="usp at context=8 measures 0.27 × the one-device temp; the target is 0.2")),
 ])
-def test_memory_falls_with_the_context_degree(strategy, kw, ratio, blockwise_one_device_temp):
-  """B=1, T=65,536, N=K=8, H=64, causal, float32, forward+backward: per-device temp at context=8 against the
-  blockwise kernel alone on one device."""
+def test_memory_falls_with_the_context_degree(strategy, kw, blockwise_one_device_temp):
+  """B=1, T=65,536, N=K=8, H=64, causal, float32, forward+backward: per-device temp at context=8 is at most 0.2 ×
+  the blockwise kernel's alone on one device."""
   temp = temp_bytes(compiled_vjp(strategy, make_mesh(), **kw, **MEM))
-  assert temp <= ratio * blockwise_one_device_temp, (
-      f"{strategy}: {temp / 2**20:.1f} MiB > {ratio} × {blockwise_one_device_temp / 2**20:.1f} MiB")
+  assert temp <= 0.2 * blockwise_one_device_temp, (
+      f"{strategy}: {temp / 2**20:.1f} MiB > 0.2 × {blockwise_one_device_temp / 2**20:.1f} MiB")
 
 
 @pytest.mark.slow
