@@ -31,6 +31,15 @@ def validate(config: Config, num_devices: int, num_slices: int = 1, platform: st
   one the step will run on (default: this process's backend; `tpu` when compiling ahead of time from a CPU)."""
   sizes = mesh_lib.axis_sizes(config.mesh, num_devices, num_slices)
   m, d, o = config.model, config.data, config.optim
+  for key, value, least in (("model.n_heads", m.n_heads, 1), ("model.n_kv_heads", m.n_kv_heads, 1),
+                            ("model.n_layers", m.n_layers, 1), ("model.d_model", m.d_model, 1),
+                            ("model.head_dim", m.head_dim, 2), ("model.d_ff", m.d_ff, 1),
+                            ("model.vocab_size", m.vocab_size, 2), ("data.batch_size", d.batch_size, 1),
+                            ("metrics.log_every", config.metrics.log_every, 1),
+                            ("optim.warmup_steps", o.warmup_steps, 0), ("optim.decay_steps", o.decay_steps, 0),
+                            ("checkpoint.every_steps", config.checkpoint.every_steps, 0)):
+    if value < least:
+      raise ConfigError(f"{key} is {value}; it must be at least {least}.")
   if m.n_heads % m.n_kv_heads:
     raise ConfigError(f"model.n_heads {m.n_heads} is not a multiple of model.n_kv_heads {m.n_kv_heads}; "
                       "grouped-query attention needs each KV head to serve the same number of query heads.")

@@ -43,3 +43,12 @@ def test_compiled_loss_holds_no_full_logits():
                                   argnums=(0, 1)))
   temp = fn.lower(h, w, ids, weights).compile().memory_analysis().temp_size_in_bytes
   assert temp < full_logits_bytes / 8, f"loss temp {temp / 2**30:.2f} GiB"
+
+
+@pytest.mark.parametrize("local, seq_len, want", [(512, 4096, 4096), (3, 56, 8), (2, 64, 16), (100, 8, 8)])
+def test_loss_chunk_splits_evenly_over_the_context_axis(local, seq_len, want):
+  # A chunk that is not a multiple of the context degree would make XLA reshuffle the hidden states between devices.
+  mesh = jax.sharding.Mesh(np.asarray(jax.devices()).reshape(1, 1, 8, 1), ("data", "fsdp", "context", "tensor"))
+  with jax.set_mesh(mesh):
+    chunk = loss.global_chunk(local, seq_len)
+  assert chunk == want and chunk % 8 == 0 and seq_len % chunk == 0

@@ -17,16 +17,22 @@ from maxctx import sharding
 
 
 def global_chunk(local_chunk: int, seq_len: int) -> int:
-  """Tokens of a sequence per loss step: `local_chunk` per device of the sequence's shards, at most the sequence."""
-  chunk = min(seq_len, local_chunk * sharding.shards("seq"))
-  while seq_len % chunk:  # the largest divisor of seq_len not above the request
-    chunk -= 1
-  return chunk
+  """Tokens of a sequence per loss step: P × (the largest divisor of seq_len/P not above `local_chunk`), P the
+  sequence's shards, so each step's chunk splits evenly over the devices that hold the sequence."""
+  shards = sharding.shards("seq")
+  if seq_len % shards:
+    shards = 1
+  local = min(max(1, local_chunk), seq_len // shards)
+  while (seq_len // shards) % local:
+    local -= 1
+  return local * shards
 
 
 def _logits(h_BCD, w_DV):
+  # w_DV stays in its stored dtype across the scan, so its gradient is summed over steps in float32; the cast to the
+  # compute dtype is per step and fuses into the matmul.
   h_BCD = sharding.constrain(h_BCD, ("batch", "seq", "act_embed"))
-  logits_BCV = jnp.einsum("bcd,dv->bcv", h_BCD, w_DV, preferred_element_type=jnp.float32)
+  logits_BCV = jnp.einsum("bcd,dv->bcv", h_BCD, w_DV.astype(h_BCD.dtype), preferred_element_type=jnp.float32)
   return sharding.constrain(logits_BCV, ("batch", "seq", "act_vocab"))
 
 
@@ -55,7 +61,7 @@ def _chunk_loss_bwd(residuals, g):
   probs_BCV = jnp.exp(logits_BCV - lse_BC[..., None])
   scale_BC = (weights_BC * g)[..., None]
   dlogits_BCV = (jnp.where(_is_target(logits_BCV, targets_BC), probs_BCV - 1.0, probs_BCV) * scale_BC)
-  dh_BCD = jnp.einsum("bcv,dv->bcd", dlogits_BCV.astype(w_DV.dtype), w_DV,
+  dh_BCD = jnp.einsum("bcv,dv->bcd", dlogits_BCV.astype(h_BCD.dtype), w_DV.astype(h_BCD.dtype),
                       preferred_element_type=jnp.float32).astype(h_BCD.dtype)
   dw_DV = jnp.einsum("bcd,bcv->dv", h_BCD, dlogits_BCV.astype(h_BCD.dtype),
                      preferred_element_type=jnp.float32).astype(w_DV.dtype)

@@ -146,10 +146,14 @@ class Transformer(nn.Module):
         x_BTD, _ = block(c, attention_fn, name=f"layers_{i}")(x_BTD, cos_BTF, sin_BTF, segment_ids_BT, positions_BT)
 
     x_BTD = RMSNorm(c, name="final_norm")(x_BTD)
-    w_DV = _weight(self, "lm_head", (c.d_model, c.vocab_size), ("embed", "vocab"), c.init_std)
+    # The head stays in its stored dtype (gathered once): the chunked loss casts per step and sums its gradient in
+    # float32 over the steps.
+    w_DV = self.param("lm_head", nn.with_logical_partitioning(nn.initializers.normal(c.init_std), ("embed", "vocab")),
+                      (c.d_model, c.vocab_size), _dtype(c.param_dtype))
+    w_DV = constrain(w_DV, ("act_embed", "act_vocab"))
     if targets_BT is None:
       with jax.named_scope("logits"):
-        return jnp.einsum("btd,dv->btv", x_BTD, w_DV, preferred_element_type=jnp.float32)
+        return jnp.einsum("btd,dv->btv", x_BTD, w_DV.astype(x_BTD.dtype), preferred_element_type=jnp.float32)
     with jax.named_scope("loss"):
       chunk = self.loss_chunk_tokens or loss_lib.global_chunk(c.loss_chunk, tokens_BT.shape[1])
       weights_BT = (segment_ids_BT != 0).astype(jnp.float32)
