@@ -117,7 +117,6 @@ class Transformer(nn.Module):
   """tokens → final hidden states; with targets, the summed token loss and token count instead of logits."""
   cfg: ModelConfig
   attention_fn: Callable | None = None
-  loss_chunk_tokens: int | None = None  # global tokens of a sequence per loss step; default model.loss_chunk × CP
 
   @nn.compact
   def __call__(self, tokens_BT, segment_ids_BT, positions_BT, targets_BT=None):
@@ -155,6 +154,6 @@ class Transformer(nn.Module):
       with jax.named_scope("logits"):
         return jnp.einsum("btd,dv->btv", x_BTD, w_DV.astype(x_BTD.dtype), preferred_element_type=jnp.float32)
     with jax.named_scope("loss"):
-      chunk = self.loss_chunk_tokens or loss_lib.global_chunk(c.loss_chunk, tokens_BT.shape[1])
+      chunk = loss_lib.global_chunk(c.loss_chunk, tokens_BT.shape[1])
       weights_BT = (segment_ids_BT != 0).astype(jnp.float32)
       return loss_lib.chunked_cross_entropy(x_BTD, w_DV, targets_BT, weights_BT, chunk)
