@@ -23,7 +23,7 @@ import re
 import sys
 import tempfile
 import time
-from typing import Any
+from typing import Any, Callable
 
 import yaml
 
@@ -181,8 +181,11 @@ def parse_oom(message: str) -> dict[str, Any]:
   return {"required_bytes": None, "required_is_lower_bound": True, "hbm_reported_bytes": None}
 
 
-def compile_for(config, options: CompileOptions) -> dict[str, Any]:
-  """Compiles `config`'s train step for `options.topology`; returns the report as a dict (see `format_report`)."""
+def compile_for(config, options: CompileOptions,
+                inspect: Callable[[Any], dict[str, Any]] | None = None) -> dict[str, Any]:
+  """Compiles `config`'s train step for `options.topology`; returns the report as a dict (see `format_report`).
+  `inspect(compiled)`, when given, adds its dict to the report of a step that compiled (maxctx.bench reads the
+  collectives' bytes from the HLO this way, without compiling twice)."""
   topo = topology_lib.resolve(options.topology)
   devices = topology_devices(topo, options.num_slices)
   import jax
@@ -236,7 +239,9 @@ def compile_for(config, options: CompileOptions) -> dict[str, Any]:
   mem = compiled.memory_analysis()
   memory = {"argument": mem.argument_size_in_bytes, "output": mem.output_size_in_bytes,
             "alias": mem.alias_size_in_bytes, "temp": mem.temp_size_in_bytes,
-            "code": mem.generated_code_size_in_bytes}
+            "code": mem.generated_code_size_in_bytes,
+            # What `remat: full_offload` moves out of HBM: the saved layer inputs, in the host's pinned memory.
+            "host_temp": getattr(mem, "host_temp_size_in_bytes", 0) or 0}
   # The state is donated: its output aliases its argument and is counted once (MaxText reports the same sum).
   memory["total"] = memory["argument"] + memory["output"] - memory["alias"] + memory["temp"]
   hlo = compiled.as_text()
@@ -248,6 +253,8 @@ def compile_for(config, options: CompileOptions) -> dict[str, Any]:
                 # The model's `attention` scope holds the strategy's own communication; the rest is ZeRO-3's
                 # parameter all-gathers and gradient reduce-scatters.
                 attention_collectives=collective_counts(hlo, "attention"))
+  if inspect is not None:
+    report.update(inspect(compiled))
   return report
 
 
@@ -295,7 +302,8 @@ def format_report(r: dict[str, Any]) -> str:
   lines += [
       f"  memory per device: argument {_gib(mem['argument'])}, output {_gib(mem['output'])} "
       f"(aliased {_gib(mem['alias'])}), temp {_gib(mem['temp'])}; total {_gib(mem['total'])} of {_gib(hbm)} HBM "
-      f"({100 * mem['total'] / hbm:.0f}%)",
+      f"({100 * mem['total'] / hbm:.0f}%)"
+      + (f"; host memory {_gib(mem['host_temp'])} (offloaded)" if mem.get("host_temp") else ""),
       f"  collectives in the compiled step: {_counts(r['collectives'])}; in attention: "
       f"{_counts(r['attention_collectives'])}",
       f"  compiled in {r['compile_seconds']:.0f} s",

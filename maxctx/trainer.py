@@ -64,6 +64,9 @@ def validate(config: Config, num_devices: int, num_slices: int = 1, platform: st
     raise ConfigError(f"run.steps is {config.run.steps}; train at least one step.")
   if m.loss_chunk < 1:
     raise ConfigError(f"model.loss_chunk is {m.loss_chunk}; it must be a positive number of tokens.")
+  if m.mlp_chunk < 0:
+    raise ConfigError(f"model.mlp_chunk is {m.mlp_chunk}; it must be a number of tokens, or 0 for the whole "
+                      "sequence at once.")
   attention.validate(config.attention.strategy, attention.Problem(
       context=sizes["context"], tensor=sizes["tensor"], n_heads=m.n_heads, n_kv_heads=m.n_kv_heads,
       seq_len=d.seq_len, kernel=config.attention.kernel, load_balance=config.attention.load_balance,

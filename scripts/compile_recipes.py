@@ -39,11 +39,11 @@ def row(r: dict) -> str:
   verdict = "fits" if r["fits"] else f"does not fit (+{gib(r['over_bytes'])} GiB)"
   return (f"| {r['config']} | {r['topology']} | {r['seq_len']:,} | {r['strategy']} | {r['tokens_per_device']:,} | "
           f"{gib(m.get('argument'))} | {gib(m.get('output'))} | {gib(m.get('temp'))} | **{gib(total)}** | "
-          f"{r['hbm_per_device_bytes'] / GIB:.1f} | {verdict} |")
+          f"{r['hbm_per_device_bytes'] / GIB:.1f} | {gib(m.get('host_temp') or 0)} | {verdict} |")
 
 
 HEADER = ("| recipe | TPU | tokens | strategy | tokens/device | argument GiB | output GiB | temp GiB | total GiB | "
-          "HBM GiB | |\n|---|---|---|---|---|---|---|---|---|---|---|")
+          "HBM GiB | host GiB | |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
       print(row(json.loads(report.read_text())))
     except (OSError, json.JSONDecodeError):
-      print(f"| {recipe.stem} | no report: see {args.out / recipe.stem}.log | | | | | | | | | |")
+      print(f"| {recipe.stem} | no report: see {args.out / recipe.stem}.log | | | | | | | | | | |")
   return 0
 
 

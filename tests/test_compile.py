@@ -7,6 +7,7 @@ import json
 import pytest
 
 from maxctx import compile as compile_lib
+from maxctx import config as config_lib
 from maxctx import topology
 from maxctx.errors import ConfigError
 
@@ -112,3 +113,22 @@ def test_over_hbm_is_reported_not_raised(tiny_path, capsys):
   report = json.loads(capsys.readouterr().out)
   assert not report["fits"] and report["memory"] is None and report["error"]
   assert report["over_bytes"] is None or report["over_bytes"] > 0
+
+
+@needs_libtpu
+def test_offloaded_layer_inputs_leave_hbm(tiny_path):
+  # remat full_offload is what fits the 14M-token v5p recipe: the saved layer inputs move to the host's memory.
+  layers, tokens = 16, 4096
+
+  def memory(remat):
+    config, options = compile_lib.load(tiny_path, [f"model.remat={remat}", f"data.seq_len={tokens}",
+                                                   f"model.n_layers={layers}"])
+    return compile_lib.compile_for(config, options)["memory"]
+
+  full, offload = memory("full"), memory("full_offload")
+  m = config_lib.load(None, ["model.preset=tiny"]).model
+  # The tiny model computes in float32: [batch 2, tokens, d_model] per layer, sequence over the 4 chips.
+  saved_inputs = layers * 2 * tokens * m.d_model * 4 // 4
+  assert full["host_temp"] == 0
+  assert offload["host_temp"] >= saved_inputs
+  assert offload["temp"] <= full["temp"] - saved_inputs // 2   # most of what went to the host left HBM
