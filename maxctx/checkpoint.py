@@ -403,33 +403,8 @@ class Checkpoints:
       log.info("checkpoint: resuming step %d with changed settings: %s", step, "; ".join(changed))
 
   def _load_params(self, trainer: Trainer, abstract: TrainState) -> TrainState:
-    path = _path(self._config.checkpoint.load_params)
-    for inner in ("params", STATE):  # A convert_hf.py output directory, or a step of a training run.
-      if (path / inner).is_dir():
-        path = path / inner
-        break
-    if not path.is_dir():
-      raise CheckpointError(f"checkpoint.load_params {path} is not a directory; pass the output of "
-                            "scripts/convert_hf.py import or a checkpoint step directory.")
-    where = f"checkpoint.load_params {path}"
-    fix = ("set the model.* keys to those the parameters were made with (convert_hf.py writes them to model.yml "
-           "beside params/; a run's config.yml holds them).")
-    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
-      try:
-        tree = checkpointer.metadata(path).item_metadata.tree
-      except Exception as e:  # noqa: BLE001
-        raise CheckpointError(f"{where} is not a readable Orbax checkpoint ({_why(e)}); pass the params directory "
-                              "scripts/convert_hf.py import wrote, or a checkpoint step.") from None
-      # A training checkpoint holds the params under 'params' next to the optimizer state; only that subtree is read.
-      nested = isinstance(tree, dict) and "params" in tree and "opt_state" in tree
-      check_tree({"params": tree["params"] if nested else tree}, {"params": abstract.params}, where, fix)
-      target = {"params": abstract.params} if nested else abstract.params
-      t = time.perf_counter()
-      restored = checkpointer.restore(path, args=ocp.args.PyTreeRestore(
-          target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=nested))
-    params = restored["params"] if nested else restored
-    log.info("checkpoint: loaded parameters from %s in %.1fs; training starts at step 0 with a fresh optimizer",
-             path, time.perf_counter() - t)
+    params = read_params(self._config.checkpoint.load_params, abstract.params)
+    log.info("checkpoint: training starts at step 0 from these parameters with a fresh optimizer")
     return _state_from_params(trainer, params)
 
   # -- Saving. --
@@ -473,6 +448,41 @@ class Checkpoints:
       why = " (checkpoint.every_steps=0)" if not self.enabled else ""
       return f"no checkpoint was saved{why}"
     return f"the last good checkpoint is step {self.last_saved} in {self.step_path(self.last_saved)}"
+
+
+def read_params(name: str, abstract_params: Any) -> Any:
+  """The parameters at `checkpoint.load_params` = `name`, restored into `abstract_params`' shapes and shardings.
+
+  `name` is a parameters directory (an Orbax PyTree as scripts/convert_hf.py import writes it, or a directory holding
+  `params/`) or a training checkpoint step (`<step>/state`, whose `params` subtree is read and the optimizer state
+  skipped). Training (`checkpoint.load_params`) and maxctx.eval both read parameters here.
+  """
+  path = _path(name)
+  for inner in ("params", STATE):  # A convert_hf.py output directory, or a step of a training run.
+    if (path / inner).is_dir():
+      path = path / inner
+      break
+  if not path.is_dir():
+    raise CheckpointError(f"checkpoint.load_params {path} is not a directory; pass the output of "
+                          "scripts/convert_hf.py import or a checkpoint step directory.")
+  where = f"checkpoint.load_params {path}"
+  fix = ("set the model.* keys to those the parameters were made with (convert_hf.py writes them to model.yml "
+         "beside params/; a run's config.yml holds them).")
+  with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
+    try:
+      tree = checkpointer.metadata(path).item_metadata.tree
+    except Exception as e:  # noqa: BLE001
+      raise CheckpointError(f"{where} is not a readable Orbax checkpoint ({_why(e)}); pass the params directory "
+                            "scripts/convert_hf.py import wrote, or a checkpoint step.") from None
+    # A training checkpoint holds the params under 'params' next to the optimizer state; only that subtree is read.
+    nested = isinstance(tree, dict) and "params" in tree and "opt_state" in tree
+    check_tree({"params": tree["params"] if nested else tree}, {"params": abstract_params}, where, fix)
+    target = {"params": abstract_params} if nested else abstract_params
+    t = time.perf_counter()
+    restored = checkpointer.restore(path, args=ocp.args.PyTreeRestore(
+        target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=nested))
+  log.info("checkpoint: loaded parameters from %s in %.1fs", path, time.perf_counter() - t)
+  return restored["params"] if nested else restored
 
 
 def _state_from_params(trainer: Trainer, params: Any) -> TrainState:

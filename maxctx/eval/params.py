@@ -1,15 +1,11 @@
-"""The parameters an evaluation scores: restored from `checkpoint.load_params` into the run's shardings, or random.
-
-`checkpoint.load_params` may name a parameters directory (Orbax PyTree of the params, as scripts/convert_hf.py import
-and the passkey demo write it, or a directory holding `params/`) or a training checkpoint step (`<step>/state`, whose
-`params` subtree is read and the optimizer state skipped).
+"""The parameters an evaluation scores: those at `checkpoint.load_params` (read by `checkpoint.read_params`, as
+training reads them) in the run's shardings, or random ones.
 """
 
 from __future__ import annotations
 
 import logging
 import pathlib
-import time
 from typing import Any
 
 import flax.linen as nn
@@ -18,9 +14,8 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh
 
-from maxctx import sharding
+from maxctx import checkpoint, sharding
 from maxctx.config import Config
-from maxctx.errors import CheckpointError
 from maxctx.model import Transformer
 
 log = logging.getLogger("maxctx.eval")
@@ -48,30 +43,7 @@ def load(config: Config, model: Transformer, mesh: Mesh) -> Any:
     log.warning("eval: checkpoint.load_params is empty, so these are scores of randomly initialised parameters; "
                 "pass checkpoint.load_params=DIR to score a trained model.")
     return init(jax.random.key(config.run.seed))
-  path = pathlib.Path(path_text).expanduser().resolve()
-  for inner in ("params", "state"):
-    if (path / inner).is_dir():
-      path = path / inner
-      break
-  if not path.is_dir():
-    raise CheckpointError(f"checkpoint.load_params {path_text} is not a directory; pass a parameters directory or a "
-                          "checkpoint step directory (<run.output_dir>/checkpoints/<step>).")
-  where = f"checkpoint.load_params {path}"
-  with ocp.PyTreeCheckpointer() as checkpointer:
-    try:
-      tree = checkpointer.metadata(path).item_metadata.tree
-    except Exception as e:  # noqa: BLE001  (Orbax raises many kinds for a directory that is not a checkpoint)
-      raise CheckpointError(f"{where} is not a readable Orbax checkpoint ({type(e).__name__}); pass a parameters "
-                            "directory or a checkpoint step directory.") from None
-    nested = isinstance(tree, dict) and "params" in tree
-    saved = tree["params"] if nested else tree
-    _check(saved, shapes, where)
-    target = {"params": shapes} if nested else shapes
-    start = time.perf_counter()
-    restored = checkpointer.restore(path, args=ocp.args.PyTreeRestore(
-        target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=nested))
-  log.info("eval: loaded parameters from %s in %.1fs", path, time.perf_counter() - start)
-  return restored["params"] if nested else restored
+  return checkpoint.read_params(path_text, shapes)
 
 
 def save(params: Any, path: str | pathlib.Path) -> pathlib.Path:
@@ -80,16 +52,3 @@ def save(params: Any, path: str | pathlib.Path) -> pathlib.Path:
   with ocp.PyTreeCheckpointer() as checkpointer:
     checkpointer.save(path, params, force=True)
   return path
-
-
-def _check(saved: Any, wanted: Any, where: str) -> None:
-  flat_saved = {jax.tree_util.keystr(k): tuple(getattr(v, "shape", ())) for k, v in
-                jax.tree_util.tree_flatten_with_path(saved)[0]}
-  flat_wanted = {jax.tree_util.keystr(k): tuple(v.shape) for k, v in jax.tree_util.tree_flatten_with_path(wanted)[0]}
-  for name, shape in flat_wanted.items():
-    if name not in flat_saved:
-      raise CheckpointError(f"{where} has no parameter {name}; set the model.* keys to those the parameters were "
-                            "made with.")
-    if flat_saved[name] != shape:
-      raise CheckpointError(f"{where} holds {name} of shape {flat_saved[name]} but this model needs {shape}; set the "
-                            "model.* keys to those the parameters were made with.")
