@@ -29,3 +29,15 @@ def build(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
   parts.append(optax.adamw(schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
                            weight_decay=cfg.weight_decay, mask=_decay_mask))
   return optax.chain(*parts)
+
+
+def updates_done(state) -> jax.Array:
+  """The updates the optimizer has applied: its schedule's own count, which a step skipped under run.on_nan=skip
+  does not advance (the state's step does), so the learning rate logged is the one the next update uses."""
+  counts = [s.count for s in jax.tree.leaves(state.opt_state, is_leaf=_is_schedule_state)
+            if _is_schedule_state(s)]
+  return counts[0] if counts else state.step
+
+
+def _is_schedule_state(x) -> bool:
+  return isinstance(x, optax.ScaleByScheduleState)

@@ -152,6 +152,6 @@ class Trainer:
       if self.config.run.on_nan == "skip":
         # Keep the previous parameters and optimizer state; only the step counter moves on.
         new = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, state.replace(step=state.step + 1))
-      metrics = {"loss": loss, "grad_norm": grad_norm, "learning_rate": self.lr_schedule(state.step),
+      metrics = {"loss": loss, "grad_norm": grad_norm, "learning_rate": self.lr_schedule(optim.updates_done(state)),
                  "tokens": n_tokens, "finite": finite}
       return new, metrics

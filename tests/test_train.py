@@ -94,6 +94,10 @@ def test_non_finite_loss_is_skipped_or_stops(tmp_path, policy):
   if policy == "skip":
     np.testing.assert_array_equal(after, before)
     assert int(new.step) == 1
+    # The skipped step applied no update, so the learning rate logged next is still the one of update 0.
+    with jax.set_mesh(mesh):
+      _, m2 = trainer.step(new, next(data.build(c, mesh)))
+    assert float(m2["learning_rate"]) == float(trainer.lr_schedule(0)) != float(trainer.lr_schedule(1))
 
 
 def test_eval_during_training_logs_scalars(tmp_path):
