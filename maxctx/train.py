@@ -80,16 +80,20 @@ def run(config: config_lib.Config) -> list[float]:
       pending = (step, step_metrics)
       done = step + 1
       stop = preemption.requested(done)
-      if stop or checkpoints.due(done):
-        # The save waits for this step's state anyway, so its metrics cost nothing now, and a non-finite step stops
-        # the run before its state is saved: every checkpoint holds a good state.
+      save = stop or checkpoints.due(done)
+      evaluate = evaluator is not None and (done % config.eval.every_steps == 0 or done == config.run.steps)
+      if save or evaluate:
+        # A save or an eval waits for this step's state anyway, so its metrics cost nothing now; and a non-finite
+        # step stops the run before its state is saved: every checkpoint holds a good state.
         reporter.report(*pending, checkpoints)
         pending = None
-        checkpoints.save(done, state, pipeline.state(), wait=stop)
-      if evaluator is not None and (done % config.eval.every_steps == 0 or done == config.run.steps):
-        records = evaluator.run(state.params)
-        reporter.writer.scalars(done, eval_sweep.scalars(records))
-        log.info("eval at step %d: %s", done, eval_sweep.summary(records))
+        if save:
+          checkpoints.save(done, state, pipeline.state(), wait=stop)
+        if evaluate:
+          records = evaluator.run(state.params)
+          reporter.writer.scalars(done, eval_sweep.scalars(records))
+          log.info("eval at step %d: %s", done, eval_sweep.summary(records))
+        reporter.restart_clock()   # the save's or eval's host time is not the next step's
       if stop:
         then = "rerun the same command to continue" if checkpoints.enabled else "a rerun starts over"
         log.info("preempted: stopped after step %d; %s; %s.", done, checkpoints.last_good(), then)
@@ -124,6 +128,10 @@ class _Reporter:
 
   def __exit__(self, *exc) -> None:
     self.writer.close()
+
+  def restart_clock(self) -> None:
+    """The next step's time counts from now: what the host did since the last report was not training."""
+    self.last_time = time.perf_counter()
 
   def report(self, step: int, step_metrics, checkpoints: checkpoint_lib.Checkpoints) -> None:
     """Fetches step `step`'s metrics and logs them; a non-finite step stops the run under run.on_nan=stop."""

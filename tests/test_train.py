@@ -106,3 +106,33 @@ def test_eval_during_training_logs_scalars(tmp_path):
       "eval.lengths=128", "eval.depths=0,1", "eval.samples=1", "eval.tasks=passkey"])
   train.run(c)
   assert "eval/passkey/128" in _scalar_tags(tmp_path / "tensorboard")
+
+
+def test_eval_time_is_not_counted_as_step_time(tmp_path, monkeypatch):
+  # A clock that jumps 1000 s during each eval: no step's time (hence tokens/s and MFU) may include the jump.
+  jump = [0.0]
+  real_clock = train.time.perf_counter
+  monkeypatch.setattr(train.time, "perf_counter", lambda: real_clock() + jump[0])
+  during_training = train.eval_sweep.during_training
+
+  def slow_eval(config, mesh):
+    evaluator = during_training(config, mesh)
+    run = evaluator.run
+
+    def run_and_jump(params):
+      records = run(params)
+      jump[0] += 1000.0
+      return records
+    evaluator.run = run_and_jump
+    return evaluator
+
+  monkeypatch.setattr(train.eval_sweep, "during_training", slow_eval)
+  c = config.load("configs/demo.yml", [
+      f"run.output_dir={tmp_path}", "run.steps=4", "checkpoint.every_steps=0", "eval.every_steps=2",
+      "eval.lengths=128", "eval.depths=0", "eval.samples=1", "eval.tasks=passkey", "metrics.log_every=1"])
+  train.run(c)
+  from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+  acc = EventAccumulator(str(tmp_path / "tensorboard"))
+  acc.Reload()
+  times = [e.value for e in acc.Scalars("step_time")]
+  assert jump[0] == 2000.0 and len(times) == 4 and max(times) < 1000.0, times
