@@ -100,6 +100,7 @@ class DataConfig:
   bad_records: Literal["error", "skip"]
   shuffle: bool
   num_workers: int
+  prefetch: int
 
 
 @dataclasses.dataclass(frozen=True)

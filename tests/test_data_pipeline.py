@@ -195,7 +195,8 @@ def test_shape_errors_before_reading():
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Resume: 7 batches, save, restore in a new process; batches 8–10 equal an uninterrupted run byte for byte.
+# Resume: 7 batches, save, restore in a new process; batches 8–10 equal an uninterrupted run byte for byte, with and
+# without the prefetch thread.
 
 CHILD = textwrap.dedent("""
   import json, sys
@@ -229,7 +230,9 @@ def test_resume_in_a_new_process_is_exact(sp_model, corpus, tmp_path, packing, s
   overrides = ["model.preset=tiny", "mesh.ici.fsdp=2", "mesh.ici.context=4", "data.seq_len=64", "data.batch_size=8",
                f"data.source={source}", f"data.path={path}", f"data.tokenizer={sp_model}", f"data.packing={packing}",
                "attention.load_balance=true", "data.text_separator=<|doc|>"]
-  p = build(cfg.load(None, overrides))
+  # The uninterrupted run makes each batch when asked; the children make them ahead in a thread (data.prefetch, on
+  # by default), whose saved state must still be that of the 7th batch handed out.
+  p = build(cfg.load(None, overrides + ["data.prefetch=0"]))
   full = [host(next(p)) for _ in range(10)]
   state, out = tmp_path / "state.json", tmp_path / "out.npz"
   for mode in ("save", "load"):

@@ -78,6 +78,8 @@ def validate(config: Config, mesh: Mesh) -> None:
     raise ConfigError(f"data.seq_len {d.seq_len} is not divisible by {chunks}, {why}; make it a multiple of {chunks}.")
   if d.num_workers < 0:
     raise ConfigError(f"data.num_workers is {d.num_workers}; use 0 (read in the main process) or more.")
+  if d.prefetch < 0:
+    raise ConfigError(f"data.prefetch is {d.prefetch}; use 0 (make each batch when asked) or more.")
 
 
 class Pipeline(Iterator[dict[str, jax.Array]]):
@@ -93,8 +95,8 @@ class Pipeline(Iterator[dict[str, jax.Array]]):
     self._dataset, self._bad = dataset.local_dataset(config, self.rows, mesh.shape[sharding.SEQ_AXIS])
     self._iter = iter(self._dataset)
     self._step = 0
-    if d.num_workers:
-      # Worker processes and their shared memory must go before the interpreter tears down the modules they use.
+    if d.num_workers or d.prefetch:
+      # Worker processes (and the prefetch thread) must stop before the interpreter tears down the modules they use.
       atexit.register(self.close)
     log.info("data: %s, %d × %d tokens per batch; this process makes rows %s", d.source, d.batch_size, d.seq_len,
              _ranges(self.rows))

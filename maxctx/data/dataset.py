@@ -120,4 +120,8 @@ def local_dataset(config: Config, rows: Sequence[int], context: int) -> tuple[gr
     if not flags.FLAGS.is_parsed():
       flags.FLAGS.mark_as_parsed()
     ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=d.num_workers))
+  elif d.prefetch > 0:
+    # A thread makes the next batches while the devices run this one; its state is that of the batch last handed
+    # out, so checkpoints stay exact.
+    ds = grain.experimental.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=d.prefetch)
   return ds, bad
