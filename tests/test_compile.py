@@ -132,3 +132,16 @@ def test_offloaded_layer_inputs_leave_hbm(tiny_path):
   assert full["host_temp"] == 0
   assert offload["host_temp"] >= saved_inputs
   assert offload["temp"] <= full["temp"] - saved_inputs // 2   # most of what went to the host left HBM
+
+
+@needs_libtpu
+def test_splash_kernel_compiles_for_tpu(tiny_path):
+  # The Pallas splash kernel is only interpreted on the CPU; here the TPU compiler lowers it (Mosaic), forward and
+  # both backward kernels, inside the full train step under ulysses (the one strategy splash's mask allows).
+  config, options = compile_lib.load(tiny_path, [
+      "attention.strategy=ulysses", "attention.kernel=splash", "attention.load_balance=false", "model.head_dim=128",
+      "mesh.ici.context=2", "data.seq_len=1024"])
+  report = compile_lib.compile_for(config, options, inspect=lambda compiled: {"hlo": compiled.as_text()})
+  assert report["fits"] and report["attention_collectives"]["all-to-all"] > 0
+  for kernel in ("splash_mqa_fwd", "splash_mqa_dq", "splash_mqa_dkv"):
+    assert kernel in report["hlo"], kernel
