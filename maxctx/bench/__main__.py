@@ -1,0 +1,193 @@
+"""Strategy benchmark: tokens/s, peak memory and communication share per CP strategy and sequence length.
+
+    python -m maxctx.bench configs/bench.yml [section.key=value ...] [--strategies none,all_gather,ulysses,ring,usp]
+        [--lengths 256,512,1k,2k] [--steps 3] [--context 4] [--out DIR]
+    python -m maxctx.bench configs/recipes/llama3.1-8b-14m-ring-tpu7x-128.yml --topology tpu7x-128 \\
+        --lengths 1m,4m,14m [--reports runs/compile] [--no-compile] [--out DIR]
+
+Without --topology it trains each strategy × length for a few steps on the devices present (the same model, data and
+global batch every time) and measures; with --topology nothing runs: each configuration is compiled for that TPU slice
+and estimated (maxctx.bench.aot, maxctx.bench.roofline). Writes results.jsonl, results.md, tokens_per_s.png,
+memory.png, comm_share.png and tensorboard/ (scalars under bench/) to --out (default <run.output_dir>/bench[-TOPOLOGY]).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import pathlib
+import sys
+
+from maxctx import config as config_lib
+from maxctx import metrics as metrics_lib
+from maxctx.bench import plan as plan_lib
+from maxctx.bench import plots, report
+from maxctx.errors import ConfigError, MaxctxError
+
+log = logging.getLogger("maxctx.bench")
+
+DEFAULT_LENGTHS = "256,512,1k,2k"   # what 5 strategies finish in ~10 minutes with the tiny model on 2 CPU cores
+DEFAULT_TOPOLOGY_LENGTHS = "1m,4m,14m"
+
+
+def _parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(prog="python -m maxctx.bench", description=__doc__.split("\n\n")[0],
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("config", help="the run's YAML file: model, mesh, data, batch (e.g. configs/bench.yml)")
+  p.add_argument("overrides", nargs="*", help="section.key=value applied to every run, e.g. data.batch_size=16")
+  p.add_argument("--strategies", default=plan_lib.DEFAULT_STRATEGIES,
+                 help=f"comma-separated; `none` = no context parallelism (default {plan_lib.DEFAULT_STRATEGIES})")
+  p.add_argument("--lengths", help=f"comma-separated tokens per sequence, k = 2^10, m = 2^20 (default "
+                                   f"{DEFAULT_LENGTHS}; with --topology {DEFAULT_TOPOLOGY_LENGTHS})")
+  p.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step (default 3)")
+  p.add_argument("--trace-steps", type=int, default=1, help="profiled steps after the timed ones (default 1)")
+  p.add_argument("--context", type=int, help="context degree of the CP strategies (default: the config's)")
+  p.add_argument("--out", help="output directory (default <run.output_dir>/bench, or bench-<topology>)")
+  p.add_argument("--topology", help="compile for this TPU slice (e.g. tpu7x-128) and estimate instead of running")
+  p.add_argument("--num-slices", type=int, default=1, help="--topology: slices (default 1)")
+  p.add_argument("--reports", action="append", default=[],
+                 help="--topology: a directory of maxctx.compile JSON reports to reuse (repeatable)")
+  p.add_argument("--no-compile", action="store_true",
+                 help="--topology: use cached and --reports reports only; never compile")
+  return p
+
+
+def _setup_logging() -> None:
+  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S", stream=sys.stderr,
+                      force=True)
+  logging.getLogger("absl").setLevel(logging.WARNING)
+  logging.getLogger("maxctx.data").setLevel(logging.WARNING)
+
+
+def _base_record(case: plan_lib.Case) -> dict:
+  rec = {"strategy": case.strategy, "seq_len": case.seq_len, "length": plan_lib.tokens(case.seq_len)}
+  if case.refused:
+    rec.update(status="refused", reason=case.refused)
+  return rec
+
+
+def _model_line(config: config_lib.Config) -> str:
+  m, d = config.model, config.data
+  return (f"model {m.preset or 'custom'} ({metrics_lib.param_count(m) / 1e6:,.1f}M parameters, {m.dtype}), "
+          f"global batch {d.batch_size}, data {d.source}, kernel {config.attention.kernel}, "
+          f"load_balance {str(config.attention.load_balance).lower()}")
+
+
+def measure_all(config, cases, args) -> tuple[list[dict], str, str]:
+  import jax
+  from maxctx.bench import measure
+  steps = measure.Steps(warmup=1, timed=args.steps, traced=args.trace_steps)
+  records = []
+  for i, case in enumerate(cases, 1):
+    rec = _base_record(case)
+    if case.config is not None:
+      try:
+        rec.update(status="ok", **measure.run(case, steps))
+      except ConfigError as e:
+        rec.update(status="refused", reason=str(e))
+      except MaxctxError as e:  # e.g. a DataError from the pipeline
+        rec.update(status="failed", reason=str(e))
+      except jax.errors.JaxRuntimeError as e:  # e.g. out of memory
+        rec.update(status="failed", reason=str(e).splitlines()[0][:300])
+    records.append(rec)
+    if rec["status"] == "ok":
+      log.info("[%d/%d] %s %s: %s tokens/s, step %.3f s, CP comm %.1f%%, loss %.6f", i, len(cases), case.strategy,
+               rec["length"], f"{rec['tokens_per_s']:,.0f}", rec["step_time_s"], 100 * rec["comm_share"], rec["loss"])
+    else:
+      log.info("[%d/%d] %s %s: %s: %s", i, len(cases), case.strategy, rec["length"], rec["status"], rec["reason"])
+  devices = jax.devices()
+  where = f"{config.model.preset or 'model'}, {len(devices)} {devices[0].platform.upper()} devices"
+  setup = (f"Measured on {len(devices)} {devices[0].device_kind} devices ({jax.default_backend()}); "
+           f"{_model_line(config)}; 1 warm-up + {args.steps} timed steps (median) + {args.trace_steps} profiled.")
+  if jax.default_backend() == "cpu":
+    setup += (" Fake CPU devices share the host's cores, so this ranks the strategies' overheads, not accelerator "
+              "speed.")
+  return records, where, setup
+
+
+def estimate_all(config, cases, args, out: pathlib.Path) -> tuple[list[dict], str, str]:
+  from maxctx import compile as compile_lib
+  from maxctx import mesh as mesh_lib
+  from maxctx import topology as topology_lib
+  from maxctx.bench import aot
+  topo = topology_lib.resolve(args.topology)
+  options = compile_lib.CompileOptions(topology=args.topology, num_slices=args.num_slices)
+  n = topo.devices * args.num_slices
+  records = []
+  for i, case in enumerate(cases, 1):
+    rec = _base_record(case)
+    if case.config is not None:
+      mesh = mesh_lib.axis_sizes(case.config.mesh, n, args.num_slices)
+      rec.update(aot.record(case, options, mesh, out, [pathlib.Path(d) for d in args.reports], not args.no_compile))
+    records.append(rec)
+    if rec["status"] == "estimate" and "est_step_s" in rec:
+      log.info("[%d/%d] %s %s: %s; est. step %.3g s (%s bound), est. MFU %.1f%% (%s)", i, len(cases), case.strategy,
+               rec["length"], "fits" if rec["fits"] else rec["reason"], rec["est_step_s"], rec["est_bound"],
+               100 * rec["est_mfu"], rec["source"])
+    else:
+      log.info("[%d/%d] %s %s: %s: %s", i, len(cases), case.strategy, rec["length"], rec["status"],
+               rec.get("reason", ""))
+  slices = f" × {args.num_slices} slices" if args.num_slices > 1 else ""
+  where = f"{config.model.preset or 'model'} on {topo.name}{slices} ({n} devices), estimates"
+  setup = (f"Compiled ahead of time for {topo.name}{slices} = {topo.chips * args.num_slices} chips, {n} devices "
+           f"({topo.generation.device_kind}, {topo.hbm_bytes / 2**30:.2f} GiB HBM per device); {_model_line(config)}.")
+  return records, where, setup
+
+
+def run(args: argparse.Namespace) -> int:
+  config = config_lib.load(args.config, args.overrides)
+  strategies = plan_lib.parse_strategies(args.strategies)
+  lengths = plan_lib.lengths(args.lengths or (DEFAULT_TOPOLOGY_LENGTHS if args.topology else DEFAULT_LENGTHS))
+  if args.steps < 1 or args.trace_steps < 1:
+    raise ConfigError(f"--steps {args.steps} and --trace-steps {args.trace_steps} must both be at least 1.")
+  out = pathlib.Path(args.out or f"{config.run.output_dir}/bench" + (f"-{args.topology}" if args.topology else ""))
+  out.mkdir(parents=True, exist_ok=True)
+  if args.topology:
+    from maxctx import topology as topology_lib
+    from maxctx.bench import roofline
+    topo = topology_lib.resolve(args.topology)
+    roofline.chip_for(topo)  # a chip without roofline figures stops here, before any compile
+    n, slices, platform = topo.devices * args.num_slices, args.num_slices, "tpu"
+  else:
+    import jax
+    from maxctx import mesh as mesh_lib
+    n, slices, platform = len(jax.devices()), mesh_lib.num_slices_of(jax.devices()), None
+  steps = 1 + args.steps + args.trace_steps
+  cases = plan_lib.plan(config, strategies, lengths, n, slices, args.context, steps, platform)
+  log.info("%d runs (%s × %s) into %s", len(cases), ",".join(strategies), ",".join(map(plan_lib.tokens, lengths)), out)
+  if args.topology:
+    records, where, setup = estimate_all(config, cases, args, out)
+    text = report.markdown_estimates(records, f"Strategy estimates on {args.topology}", setup, roofline.table())
+  else:
+    records, where, setup = measure_all(config, cases, args)
+    text = report.markdown_measured(records, "Strategy benchmark", setup)
+  report.write_jsonl(records, out / "results.jsonl")
+  (out / "results.md").write_text(text)
+  plots.plots(records, out, where, estimate=bool(args.topology))
+  report.tensorboard(records, out / "tensorboard", f"bench/{args.topology}" if args.topology else "bench")
+  print(text)
+  log.info("wrote %s: results.jsonl, results.md, tokens_per_s.png, memory.png, comm_share.png, tensorboard/", out)
+  spread = {k: v for k, v in report.loss_spread(records).items() if v > report.LOSS_TOLERANCE}
+  if spread and config.model.dtype == "float32":
+    print(f"error: last-step losses disagree across strategies by more than {report.LOSS_TOLERANCE:g} at "
+          + ", ".join(f"{plan_lib.tokens(n)} ({v:.2e})" for n, v in spread.items())
+          + "; every strategy is exact in float32, so this is a bug.", file=sys.stderr)
+    return 1
+  return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+  args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+  _setup_logging()
+  try:
+    return run(args)
+  except MaxctxError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  except KeyboardInterrupt:
+    print("interrupted", file=sys.stderr)
+    return 130
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,107 @@
+"""Estimated step time and MFU on a TPU slice from a compiled (not run) step: a roofline. Every number this module
+returns is an estimate, and is labelled so wherever it is printed or plotted.
+
+The model, per device, from the compile report of `maxctx.compile.compile_for` and the step's collective bytes
+(maxctx.bench.hlo, loop trip counts included):
+  compute  = analytic model FLOPs per device × 4/3 under `remat: full` or `full_offload` (the forward runs twice)
+             / peak bf16 FLOP/s
+  memory   = (argument + output + 2 × temp bytes) / HBM bandwidth: each byte the step holds is written or read at
+             least once, so this is a lower bound on HBM traffic, not a measurement of it
+  network  = bytes per ICI link / one link's bandwidth in one direction, where a collective-permute (a ring hop to a
+             neighbour) uses one link, and the other collectives spread over all of the chip's links, shared by the
+             chip's devices
+  step     = max(compute, memory, network): perfect overlap, the roofline bound (the no-overlap sum is reported too)
+  MFU      = model FLOPs per step / (step × devices × peak per device); tokens/s = tokens per step / step
+The peak assumes the matmuls run at the chip's bf16 peak; the pure-JAX blockwise kernel will not, so real step times
+will be longer. Not modelled: the host transfers of `remat: full_offload` (its saved layer inputs go to host memory
+and back once per step), and DCN, which is listed for multi-slice work but not used (single slice only).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from maxctx import topology as topology_lib
+from maxctx.errors import ConfigError
+
+GB = 1e9
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+  name: str
+  bf16_tflops: float      # peak dense bf16 TFLOP/s per chip
+  hbm_gb_s: float         # HBM bandwidth per chip, GB/s
+  ici_gb_s: float         # inter-chip interconnect per chip, GB/s, both directions of all links together
+  ici_links: int          # ICI links per chip (3-D torus: 6 neighbours; 2-D: 4)
+  dcn_gbit_s: float       # data-center network per chip, Gbit/s (multi-slice; not used by the estimate)
+
+  @property
+  def link_gb_s(self) -> float:
+    """One link, one direction."""
+    return self.ici_gb_s / 2 / self.ici_links
+
+
+# Sources: Google Cloud TPU documentation, "TPU7x (Ironwood)" (docs.cloud.google.com/tpu/docs/tpu7x), whose
+# specification table lists v5p, v6e and TPU7x side by side: peak bf16 per chip 459 / 918 / 2,307 TFLOP/s (TPU7x fp8:
+# 4,614), HBM bandwidth per chip 2,765 / 1,638 / 7,380 GB/s, bidirectional ICI bandwidth per chip 1,200 / 800 / 1,200
+# GB/s, DCN per chip 50 / 100 / 100 Gb/s. The v5p page (docs.cloud.google.com/tpu/docs/v5p) gives the same v5p figures
+# (its older version: "Interchip Interconnect BW 4,800 Gbps" = 600 GB/s one way). Links per chip are the torus degree
+# of the slice shapes (v5p, TPU7x: 3-D torus; v6e: 2-D), an assumption of this model, not a data-sheet figure.
+CHIPS: dict[str, Chip] = {
+    "v5p": Chip("TPU v5p", 459.0, 2765.0, 1200.0, 6, 50.0),
+    "tpu7x": Chip("TPU7x (Ironwood)", 2307.0, 7380.0, 1200.0, 6, 100.0),
+    "v6e": Chip("TPU v6e (Trillium)", 918.0, 1638.0, 800.0, 4, 100.0),
+}
+
+
+def chip_for(topo: topology_lib.Topology) -> Chip:
+  if topo.generation.prefix not in CHIPS:
+    raise ConfigError(f"no roofline figures for {topo.generation.prefix} (TPU type {topo.name}); the estimate knows "
+                      f"{', '.join(CHIPS)}: add the chip to maxctx/bench/roofline.py CHIPS with its source.")
+  return CHIPS[topo.generation.prefix]
+
+
+def table() -> str:
+  """The roofline's inputs as a Markdown table (printed with every estimate, so the numbers carry their basis)."""
+  lines = ["| chip | peak bf16 TFLOP/s | HBM GB/s | ICI GB/s (bidir., per chip) | ICI links | GB/s per link, one way | "
+           "DCN Gb/s |", "|---|---:|---:|---:|---:|---:|---:|"]
+  for c in CHIPS.values():
+    lines.append(f"| {c.name} | {c.bf16_tflops:,.0f} | {c.hbm_gb_s:,.0f} | {c.ici_gb_s:,.0f} | {c.ici_links} | "
+                 f"{c.link_gb_s:,.0f} | {c.dcn_gbit_s:,.0f} |")
+  return "\n".join(lines)
+
+
+def estimate(report: dict[str, Any], topo: topology_lib.Topology) -> dict[str, Any]:
+  """The roofline estimate of one compiled step (fields prefixed `est_`); empty parts stay None."""
+  chip = chip_for(topo)
+  per_chip = topo.generation.devices_per_chip
+  peak = chip.bf16_tflops * 1e12 / per_chip
+  remat = 4 / 3 if report.get("remat") in ("full", "full_offload") else 1.0
+  compute_s = report["flops_per_device"] * remat / peak
+  out: dict[str, Any] = {"est_compute_s": compute_s, "est_memory_s": None, "est_network_s": None,
+                         "est_bytes_per_link": None, "est_peak_tflops_per_device": peak / 1e12}
+  mem = report.get("memory")
+  if mem:
+    out["est_memory_s"] = (mem["argument"] + mem["output"] + 2 * mem["temp"]) / (chip.hbm_gb_s * GB / per_chip)
+  coll = report.get("collective_bytes")
+  if coll:
+    sent = {}
+    for scope in ("bytes_attention", "bytes_other"):
+      for kind, b in coll[scope].items():
+        sent[kind] = sent.get(kind, 0) + b
+    ring = sent.get("collective-permute", 0) + sent.get("collective-broadcast", 0)
+    spread = sum(sent.values()) - ring
+    per_link = ring + spread / (chip.ici_links / per_chip)
+    out["est_bytes_per_link"] = per_link
+    out["est_network_s"] = per_link / (chip.link_gb_s * GB)
+  parts = [(v, name) for name, v in (("compute", compute_s), ("HBM", out["est_memory_s"]),
+                                      ("ICI", out["est_network_s"])) if v is not None]
+  step, out["est_bound"] = max(parts)
+  out["est_step_s"] = step
+  out["est_step_s_no_overlap"] = sum(v for v, _ in parts)
+  out["est_mfu"] = report["flops_per_step"] / (step * report["devices"] * peak)
+  out["est_tokens_per_s"] = report["seq_len"] * report["batch_size"] / step
+  out["est_comm_share"] = None if out["est_network_s"] is None else out["est_network_s"] / step
+  return out

@@ -1,0 +1,153 @@
+"""The strategy benchmark (python -m maxctx.bench): a 2 strategies × 2 lengths slice on 8 fake CPU devices writes its
+files, `none` has no CP communication and ring some, and the exact strategies' last-step losses agree; the HLO byte
+counter multiplies loop trip counts; --topology compiles the tiny model for a small TPU slice and estimates."""
+
+import importlib.util
+import json
+
+import pytest
+
+from maxctx import config as config_lib
+from maxctx import topology
+from maxctx.bench import __main__ as bench_main
+from maxctx.bench import hlo, plan, report, roofline
+
+needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                                  reason="libtpu is not installed (pip install -e '.[tpu]'); it compiles for TPUs")
+
+FILES = ("results.jsonl", "results.md", "tokens_per_s.png", "memory.png", "comm_share.png")
+
+
+def _records(out):
+  return [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+
+
+def test_cpu_slice_writes_files_and_losses_agree(tmp_path):
+  rc = bench_main.main(["configs/bench.yml", "--strategies", "none,ring", "--lengths", "128,256", "--steps", "1",
+                        "--out", str(tmp_path)])
+  assert rc == 0
+  for name in FILES:
+    assert (tmp_path / name).stat().st_size > 0, name
+  assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+  records = _records(tmp_path)
+  assert [(r["strategy"], r["seq_len"], r["status"]) for r in records] == [
+      ("none", 128, "ok"), ("ring", 128, "ok"), ("none", 256, "ok"), ("ring", 256, "ok")]
+  for r in records:
+    assert r["tokens_per_s"] > 0 and r["memory_compiled"]["total"] > 0 and r["peak_bytes_runtime"] is None
+    if r["strategy"] == "none":
+      assert r["comm_share"] == 0 and r["collective_bytes"]["bytes_attention"] == {}
+      assert r["mesh"]["context"] == 1 and r["mesh"]["fsdp"] == 8
+    else:
+      assert r["comm_share"] > 0 and r["comm_share_by_kind"].keys() == {"collective-permute"}
+      assert r["collective_bytes"]["bytes_attention"]["collective-permute"] > 0
+  for n in (128, 256):
+    losses = [r["loss"] for r in records if r["seq_len"] == n]
+    assert max(losses) - min(losses) <= 1e-4, losses
+  assert "Strategy benchmark" in (tmp_path / "results.md").read_text()
+
+
+def test_a_strategy_that_cannot_run_is_refused_with_validates_sentence():
+  base = config_lib.load("configs/bench.yml")
+  case = plan.configure(base, "ulysses", 256, 8, context=8)
+  assert case.config is None and "query heads" in case.refused
+  none = plan.configure(base, "none", 256, 8)
+  assert none.config.attention.strategy == "all_gather"
+  assert (none.config.mesh.ici.context, none.config.mesh.ici.fsdp) == (1, 8)
+  assert plan.configure(base, "usp", 256, 8).config.mesh.ici.context == 4
+  assert plan.lengths("4k,1m,14m,256") == [4096, 1 << 20, 14 * (1 << 20), 256]
+
+
+HLO = """HloModule jit__step, num_partitions=8
+
+%body (p: (s32[], f32[4,8])) -> (s32[], f32[4,8]) {
+  %p = (s32[], f32[4,8]) parameter(0)
+  %x = f32[4,8]{1,0} get-tuple-element(%p), index=1
+  %cp = f32[4,8]{1,0} collective-permute-start(%x), source_target_pairs={{0,1},{1,0}}, metadata={op_name="/attention/"}
+  %cpd = f32[4,8]{1,0} collective-permute-done(%cp)
+  %one = f32[4,8]{1,0} all-gather(%x), replica_groups=[8,1]<=[8], metadata={op_name="/attention/"}
+  ROOT %t = (s32[], f32[4,8]) tuple(%i, %cpd)
+}
+
+%cond (q: (s32[], f32[4,8])) -> pred[] {
+  %q = (s32[], f32[4,8]) parameter(0)
+  %i = s32[] get-tuple-element(%q), index=0
+  %n = s32[] constant(6)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+ENTRY %main (a: f32[4,8]) -> f32[4,8] {
+  %a = f32[4,8]{1,0} parameter(0)
+  %zero = s32[] constant(2)
+  %init = (s32[], f32[4,8]) tuple(%zero, %a)
+  %w = (s32[], f32[4,8]) while(%init), condition=%cond, body=%body
+  %ar = f32[4,8]{1,0} all-reduce(%a), replica_groups={{0,1,2,3},{4,5,6,7}}, to_apply=%add
+  ROOT %ag = f32[16,8]{1,0} all-gather(%a), replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'}, dimensions={0}
+}
+"""
+
+
+def test_hlo_bytes_multiply_trip_counts_and_skip_single_device_groups():
+  c = hlo.collectives(HLO, 8)
+  assert c.module == "jit__step"
+  # The loop runs 6 - 2 = 4 times (read from its condition); 128 bytes per hop.
+  assert c.executions["collective-permute"] == 4 and c.bytes_attention["collective-permute"] == 4 * 128
+  assert c.kinds["cp"] == ("collective-permute", True) and "one" not in c.kinds  # a group of one moves nothing
+  assert c.bytes_other["all-reduce"] == 2 * 128 * 3 / 4 and c.bytes_other["all-gather"] == 128 * 3
+  assert c.unknown_trip_counts == 0
+  known = HLO.replace("body=%body", 'body=%body, backend_config={"known_trip_count":{"n":"3"}}')
+  assert hlo.collectives(known, 8).executions["collective-permute"] == 3
+
+
+def test_roofline_estimate_is_the_largest_part_and_labelled():
+  topo = topology.resolve("tpu7x-128")
+  rep = {"flops_per_device": 2307e12 / 2 * 3, "flops_per_step": 2307e12 / 2 * 3 * 128, "remat": "full",
+         "devices": 128, "seq_len": 1 << 20, "batch_size": 1,
+         "memory": {"argument": 1, "output": 1, "alias": 1, "temp": 2**30, "total": 2**30},
+         "collective_bytes": {"bytes_attention": {"collective-permute": 100e9}, "bytes_other": {}}}
+  est = roofline.estimate(rep, topo)
+  assert est["est_compute_s"] == pytest.approx(4.0)  # 3 s at peak, × 4/3 for the recomputed forward
+  assert est["est_network_s"] == pytest.approx(1.0)  # 100 GB over one link at 100 GB/s
+  assert est["est_step_s"] == pytest.approx(4.0) and est["est_bound"] == "compute"
+  assert est["est_mfu"] == pytest.approx(0.75)
+  assert "2,307" in roofline.table() and "7,380" in roofline.table()
+
+
+@needs_libtpu
+def test_topology_compiles_estimates_and_reuses_reports(tmp_path):
+  out = tmp_path / "a"
+  args = ["configs/bench.yml", "data.batch_size=4", "--context", "4", "--topology", "v5p-8", "--strategies",
+          "none,ring", "--lengths", "512"]
+  assert bench_main.main(args + ["--out", str(out)]) == 0
+  records = _records(out)
+  assert [r["status"] for r in records] == ["estimate", "estimate"]
+  for r in records:
+    assert r["fits"] and r["est_step_s"] > 0 and r["source"].startswith("compiled")
+  ring = records[1]
+  assert ring["collective_bytes"]["bytes_attention"]["collective-permute"] > 0
+  text = (out / "results.md").read_text()
+  assert "estimate" in text and "Strategy estimates on v5p-8" in text
+  for name in FILES:
+    assert (out / name).exists()
+  # Again: the cached reports are used, nothing compiles.
+  assert bench_main.main(args + ["--out", str(out), "--no-compile"]) == 0
+  assert all(r["source"].startswith("cache") for r in _records(out))
+  # A maxctx.compile report (no collective bytes) from another directory matches by its fields.
+  reports = tmp_path / "reports"
+  reports.mkdir()
+  for path in (out / "compile-cache").glob("ring-*.json"):
+    rep = json.loads(path.read_text())
+    del rep["collective_bytes"], rep["config_key"], rep["program_fields"]
+    (reports / "ring.json").write_text(json.dumps(rep))
+  other = tmp_path / "b"
+  assert bench_main.main(args + ["--out", str(other), "--no-compile", "--reports", str(reports)]) == 0
+  none, ring = _records(other)
+  assert none["status"] == "missing" and "not compiled" in none["reason"]
+  assert ring["source"].startswith("report") and ring["est_network_s"] is None and "no collective bytes" in ring["note"]
+
+
+def test_loss_spread_only_compares_runs_that_ran():
+  records = [{"strategy": "a", "seq_len": 8, "status": "ok", "loss": 1.0},
+             {"strategy": "b", "seq_len": 8, "status": "ok", "loss": 1.00002},
+             {"strategy": "c", "seq_len": 8, "status": "refused", "reason": "x"},
+             {"strategy": "a", "seq_len": 16, "status": "ok", "loss": 2.0}]
+  assert report.loss_spread(records) == {8: pytest.approx(2e-5)}
