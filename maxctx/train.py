@@ -13,6 +13,7 @@ newest complete checkpoint with the losses an uninterrupted run would have had.
 from __future__ import annotations
 
 import logging
+import os
 import pathlib
 import sys
 import time
@@ -27,8 +28,8 @@ from maxctx import distributed
 from maxctx import mesh as mesh_lib
 from maxctx import metrics as metrics_lib
 from maxctx.eval import sweep as eval_sweep
-from maxctx.errors import MaxctxError
-from maxctx.trainer import Trainer, validate
+from maxctx.errors import ConfigError, MaxctxError
+from maxctx.trainer import Trainer, offloaded_bytes_per_device, validate
 
 log = logging.getLogger("maxctx")
 
@@ -47,7 +48,8 @@ def setup_logging() -> None:
 def run(config: config_lib.Config) -> list[float]:
   """Trains `config` (resuming its checkpoints as checkpoint.resume says); returns the loss of every step it ran."""
   devices = jax.devices()
-  validate(config, len(devices), mesh_lib.num_slices_of(devices))
+  sizes = validate(config, len(devices), mesh_lib.num_slices_of(devices))
+  _check_host_memory(config, sizes)
   mesh = mesh_lib.build_mesh(config.mesh, devices)
   out_dir = pathlib.Path(config.run.output_dir)
   # Before config.yml is written: a directory holding another run's checkpoints is refused untouched.
@@ -105,6 +107,22 @@ def run(config: config_lib.Config) -> list[float]:
     log.info("done: %d steps, final loss %.4f; TensorBoard: tensorboard --logdir %s", len(reporter.losses),
              reporter.losses[-1], out_dir / "tensorboard")
   return reporter.losses
+
+
+def host_memory_bytes() -> int:
+  """This machine's physical memory."""
+  return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _check_host_memory(config: config_lib.Config, sizes: dict[str, int]) -> None:
+  """`remat: full_offload` parks every layer's saved input in host memory; refuse before compiling if this host's
+  devices would need more than most of its RAM (the kernel would kill the process mid-step instead)."""
+  need = offloaded_bytes_per_device(config, sizes) * jax.local_device_count()
+  have = host_memory_bytes()
+  if need > 0.8 * have:
+    raise ConfigError(f"model.remat full_offload would keep {need / 2**20:,.0f} MiB of saved layer inputs in this "
+                      f"host's memory, which has {have / 2**20:,.0f} MiB; use model.remat=full, more devices on "
+                      "mesh.ici.context, or a shorter data.seq_len.")
 
 
 class _Reporter:

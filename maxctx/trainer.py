@@ -84,6 +84,16 @@ def build_model(config: Config, mesh: Mesh | None) -> Transformer:
   return Transformer(config.model, attention_fn)
 
 
+def offloaded_bytes_per_device(config: Config, sizes: dict[str, int]) -> int:
+  """Host memory that `remat: full_offload` fills per device: every layer's saved input, [rows, tokens, d_model] of
+  one microbatch in the compute dtype (0 under the other policies)."""
+  m, d = config.model, config.data
+  if m.remat != "full_offload":
+    return 0
+  rows = max(1, d.batch_size // config.optim.grad_accum // (sizes["data"] * sizes["fsdp"]))
+  return m.n_layers * rows * (d.seq_len // sizes["context"]) * m.d_model * jnp.dtype(m.dtype).itemsize
+
+
 @dataclasses.dataclass
 class Trainer:
   """Holds the compiled pieces of a run: model, optimizer, shardings, and the jitted init and step."""

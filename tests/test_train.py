@@ -7,6 +7,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from maxctx import config, data, mesh as mesh_lib, train
+from maxctx.errors import ConfigError
 from maxctx.trainer import Trainer
 
 
@@ -136,3 +137,14 @@ def test_eval_time_is_not_counted_as_step_time(tmp_path, monkeypatch):
   acc.Reload()
   times = [e.value for e in acc.Scalars("step_time")]
   assert jump[0] == 2000.0 and len(times) == 4 and max(times) < 1000.0, times
+
+
+def test_offload_larger_than_host_memory_stops_before_compiling(tmp_path, monkeypatch):
+  # remat full_offload parks every layer's saved input in host RAM; a host too small is a config error up front.
+  monkeypatch.setattr(train, "host_memory_bytes", lambda: 2**20)
+  monkeypatch.setattr(Trainer, "__post_init__", lambda self: pytest.fail("compiled before checking host memory"))
+  c = _demo(tmp_path, "model.remat=full_offload")
+  with pytest.raises(ConfigError, match=r"full_offload would keep 8 MiB of saved layer inputs in this host's memory, "
+                                        r"which has 1 MiB; use model.remat=full"):
+    train.run(c)
+  assert not (tmp_path / "config.yml").exists()
