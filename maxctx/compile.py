@@ -205,7 +205,7 @@ def compile_for(config, options: CompileOptions,
       "device_kind": devices[0].device_kind, "mesh": {a: int(s) for a, s in mesh.shape.items()},
       "strategy": config.attention.strategy, "kernel": config.attention.kernel,
       "seq_len": d.seq_len, "batch_size": d.batch_size, "tokens_per_device": d.batch_size * d.seq_len // n,
-      "context_degree": sizes["context"], "remat": m.remat, "loss_chunk": m.loss_chunk,
+      "context_degree": sizes["context"], "remat": m.remat, "loss_chunk": m.loss_chunk, "mlp_chunk": m.mlp_chunk,
       "block_q": config.attention.block_q, "block_kv": config.attention.block_kv,
       "params": metrics_lib.param_count(m),
       "flops_per_step": flops, "flops_per_device": flops / n,
@@ -284,7 +284,8 @@ def format_report(r: dict[str, Any]) -> str:
       f"{r['config']}: {r['strategy']} ({r['kernel']} kernel) on {r['topology']}{slices} "
       f"= {r['chips']} chips, {r['devices']} devices ({r['device_kind']}); mesh {mesh}",
       f"  sequence {r['seq_len']:,} tokens × batch {r['batch_size']}: {r['tokens_per_device']:,} tokens per device; "
-      f"remat {r['remat']}, loss_chunk {r['loss_chunk']}, blocks q={r['block_q'] or 'default'} "
+      f"remat {r['remat']}, loss_chunk {r['loss_chunk']}, mlp_chunk {r.get('mlp_chunk', 0) or 'off'}, "
+      f"blocks q={r['block_q'] or 'default'} "
       f"kv={r['block_kv'] or 'default'}",
       f"  FLOPs (analytic): {r['flops_per_step']:.3e} per step, {r['flops_per_device']:.3e} per device"
       + (f" = {r['seconds_at_peak']:.3g} s per step at peak" if r.get("seconds_at_peak") else ""),

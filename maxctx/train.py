@@ -110,8 +110,16 @@ def run(config: config_lib.Config) -> list[float]:
 
 
 def host_memory_bytes() -> int:
-  """This machine's physical memory."""
-  return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  """The memory this process may use: the machine's RAM, or the container's limit (a GKE pod's) where lower."""
+  have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  for limit in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+    try:
+      text = pathlib.Path(limit).read_text().strip()
+    except OSError:
+      continue
+    if text.isdigit():
+      have = min(have, int(text))
+  return have
 
 
 def _check_host_memory(config: config_lib.Config, sizes: dict[str, int]) -> None:
@@ -121,8 +129,8 @@ def _check_host_memory(config: config_lib.Config, sizes: dict[str, int]) -> None
   have = host_memory_bytes()
   if need > 0.8 * have:
     raise ConfigError(f"model.remat full_offload would keep {need / 2**20:,.0f} MiB of saved layer inputs in this "
-                      f"host's memory, which has {have / 2**20:,.0f} MiB; use model.remat=full, more devices on "
-                      "mesh.ici.context, or a shorter data.seq_len.")
+                      f"host's memory, more than 80% of its {have / 2**20:,.0f} MiB; use model.remat=full, more "
+                      "devices on mesh.ici.context, or a shorter data.seq_len.")
 
 
 class _Reporter:

@@ -67,6 +67,14 @@ def validate(config: Config, num_devices: int, num_slices: int = 1, platform: st
   if m.mlp_chunk < 0:
     raise ConfigError(f"model.mlp_chunk is {m.mlp_chunk}; it must be a number of tokens, or 0 for the whole "
                       "sequence at once.")
+  local = d.seq_len // sizes["context"]
+  if 0 < m.mlp_chunk < local:
+    # The MLP's steps must split the device's tokens evenly; a chunk far below the one asked for would mean many
+    # more sequential steps than intended.
+    used = next(c for c in range(m.mlp_chunk, 0, -1) if local % c == 0)
+    if 2 * used <= m.mlp_chunk:
+      raise ConfigError(f"model.mlp_chunk {m.mlp_chunk} does not divide the {local} tokens per device and would run "
+                        f"as steps of {used}; choose a divisor of {local}.")
   attention.validate(config.attention.strategy, attention.Problem(
       context=sizes["context"], tensor=sizes["tensor"], n_heads=m.n_heads, n_kv_heads=m.n_kv_heads,
       seq_len=d.seq_len, kernel=config.attention.kernel, load_balance=config.attention.load_balance,

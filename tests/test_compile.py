@@ -126,7 +126,7 @@ def test_offloaded_layer_inputs_leave_hbm(tiny_path):
     return compile_lib.compile_for(config, options)["memory"]
 
   full, offload = memory("full"), memory("full_offload")
-  config, _ = compile_lib.load(tiny_path, [f"model.remat=full_offload", f"data.seq_len={tokens}",
+  config, _ = compile_lib.load(tiny_path, ["model.remat=full_offload", f"data.seq_len={tokens}",
                                            f"model.n_layers={layers}"])
   # The tiny model computes in float32: [batch 2, tokens / 4 chips, d_model] per layer. maxctx.train checks the same
   # figure against the host's RAM before compiling.

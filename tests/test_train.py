@@ -109,8 +109,8 @@ def test_eval_during_training_logs_scalars(tmp_path):
   assert "eval/passkey/128" in _scalar_tags(tmp_path / "tensorboard")
 
 
-def test_eval_time_is_not_counted_as_step_time(tmp_path, monkeypatch):
-  # A clock that jumps 1000 s during each eval: no step's time (hence tokens/s and MFU) may include the jump.
+def test_eval_and_save_time_is_not_counted_as_step_time(tmp_path, monkeypatch):
+  # A clock that jumps 1000 s during each eval and each save: no step's time (hence tokens/s and MFU) may include it.
   jump = [0.0]
   real_clock = train.time.perf_counter
   monkeypatch.setattr(train.time, "perf_counter", lambda: real_clock() + jump[0])
@@ -128,15 +128,21 @@ def test_eval_time_is_not_counted_as_step_time(tmp_path, monkeypatch):
     return evaluator
 
   monkeypatch.setattr(train.eval_sweep, "during_training", slow_eval)
+  save = train.checkpoint_lib.Checkpoints.save
+
+  def slow_save(self, *args, **kwargs):
+    save(self, *args, **kwargs)
+    jump[0] += 1000.0
+  monkeypatch.setattr(train.checkpoint_lib.Checkpoints, "save", slow_save)
   c = config.load("configs/demo.yml", [
-      f"run.output_dir={tmp_path}", "run.steps=4", "checkpoint.every_steps=0", "eval.every_steps=2",
+      f"run.output_dir={tmp_path}", "run.steps=6", "checkpoint.every_steps=3", "eval.every_steps=2",
       "eval.lengths=128", "eval.depths=0", "eval.samples=1", "eval.tasks=passkey", "metrics.log_every=1"])
   train.run(c)
   from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
   acc = EventAccumulator(str(tmp_path / "tensorboard"))
   acc.Reload()
   times = [e.value for e in acc.Scalars("step_time")]
-  assert jump[0] == 2000.0 and len(times) == 4 and max(times) < 1000.0, times
+  assert jump[0] == 5000.0 and len(times) == 6 and max(times) < 1000.0, times   # evals at 2, 4, 6; saves at 3, 6
 
 
 def test_offload_larger_than_host_memory_stops_before_compiling(tmp_path, monkeypatch):
@@ -145,6 +151,6 @@ def test_offload_larger_than_host_memory_stops_before_compiling(tmp_path, monkey
   monkeypatch.setattr(Trainer, "__post_init__", lambda self: pytest.fail("compiled before checking host memory"))
   c = _demo(tmp_path, "model.remat=full_offload")
   with pytest.raises(ConfigError, match=r"full_offload would keep 8 MiB of saved layer inputs in this host's memory, "
-                                        r"which has 1 MiB; use model.remat=full"):
+                                        r"more than 80% of its 1 MiB; use model.remat=full"):
     train.run(c)
   assert not (tmp_path / "config.yml").exists()

@@ -35,7 +35,7 @@ log = logging.getLogger("maxctx.bench")
 CACHE_VERSION = 1
 # Fields a maxctx.compile report records about the config; a report from --reports is used only if all agree.
 _MATCHED = ("topology", "num_slices", "strategy", "kernel", "seq_len", "batch_size", "mesh", "remat", "loss_chunk",
-            "block_q", "block_kv", "params")
+            "mlp_chunk", "block_q", "block_kv", "params")
 
 
 def program_fields(config: Config) -> dict[str, Any]:
@@ -55,7 +55,8 @@ def _expected(config: Config, topo: topology_lib.Topology, num_slices: int, mesh
   a = config.attention
   return {"topology": topo.name, "num_slices": num_slices, "strategy": a.strategy, "kernel": a.kernel,
           "seq_len": config.data.seq_len, "batch_size": config.data.batch_size, "mesh": mesh,
-          "remat": config.model.remat, "loss_chunk": config.model.loss_chunk, "block_q": a.block_q,
+          "remat": config.model.remat, "loss_chunk": config.model.loss_chunk, "mlp_chunk": config.model.mlp_chunk,
+          "block_q": a.block_q,
           "block_kv": a.block_kv, "params": metrics_lib.param_count(config.model)}
 
 
@@ -70,7 +71,9 @@ def find_report(directory: pathlib.Path, config: Config, topo: topology_lib.Topo
       report = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
       continue
-    if isinstance(report, dict) and all(report.get(k) == v for k, v in want.items()):
+    # A report from before model.mlp_chunk existed was compiled without chunking.
+    if isinstance(report, dict) and all(report.get(k, 0 if k == "mlp_chunk" else None) == v
+                                        for k, v in want.items()):
       return report, path
   return None
 

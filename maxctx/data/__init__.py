@@ -116,7 +116,8 @@ class Pipeline(Iterator[dict[str, jax.Array]]):
     return to_global(self.host_batch(), self.rows, self._sharding, self._shape)
 
   def close(self) -> None:
-    """Stops grain's worker processes (data.num_workers > 0); the pipeline cannot be used afterwards."""
+    """Stops grain's worker processes (data.num_workers > 0) or prefetch thread; the pipeline cannot be used
+    afterwards."""
     self._iter.close()
 
   def _fingerprint(self) -> dict:
