@@ -4,9 +4,9 @@ contrast) a blocking save every step, over the same number of steps.
   python scripts/bench_checkpoint.py [--steps 30] [--repeats 1] [--json out.json] [section.key=value ...]
 
 Each mode trains the demo from scratch in its own output directory (8 fake CPU devices unless XLA_FLAGS says
-otherwise). Step times come from the run's TensorBoard `step_time` (the time between reading consecutive steps'
-metrics, so a save's wait lands in the step after it); step 1 holds compilation and is left out. `loop s` is the
-wall time of steps 2..N; `overhead` compares it with no saving. `loop waits per save` is the median time a
+otherwise). Step times come from the run's TensorBoard `step_time`, which leaves out the time the loop spends inside
+a save (maxctx.train restarts its clock after one); step 1 holds compilation and is left out. `loop s` is the wall
+time of steps 2..N: their step times plus the save calls made after them; `overhead` compares it with no saving. `loop waits per save` is the median time a
 Checkpoints.save call holds the loop (the first save, which sets Orbax up, is left out). With --repeats each figure is
 the median over runs.
 """
@@ -86,9 +86,11 @@ def bench(steps: int, overrides: list[str], root: pathlib.Path, repeats: int = 1
         train.run(config)
       times = _step_times(out / "tensorboard")[1:]
       step_dir = out / "checkpoints" / str(steps)
+      # Saves after steps 2..N: the loop waited in them, and step_time does not count that wait.
+      waits = saves.seconds[1:]
       runs[name].append({"median_step_s": float(np.median(times)), "mean_step_s": float(np.mean(times)),
-                         "loop_s": float(np.sum(times)),
-                         "save_call_s": float(np.median(saves.seconds[1:])) if len(saves.seconds) > 1 else 0.0,
+                         "loop_s": float(np.sum(times) + np.sum(waits)),
+                         "save_call_s": float(np.median(waits)) if waits else 0.0,
                          "checkpoint_mb": _size(step_dir) / 2**20 if step_dir.exists() else 0.0})
   rows = [{"mode": name, "steps": steps, "repeats": repeats,
            **{k: float(np.median([x[k] for x in runs[name]])) for k in runs[name][0]}} for name in names]
