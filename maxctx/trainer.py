@@ -17,6 +17,7 @@ from maxctx import attention, mesh as mesh_lib, optim, sharding
 from maxctx.config import Config
 from maxctx.errors import ConfigError
 from maxctx.model import Transformer
+from maxctx.model import loss as loss_lib
 
 
 @flax.struct.dataclass
@@ -71,7 +72,7 @@ def validate(config: Config, num_devices: int, num_slices: int = 1, platform: st
   if 0 < m.mlp_chunk < local:
     # The MLP's steps must split the device's tokens evenly; a chunk far below the one asked for would mean many
     # more sequential steps than intended.
-    used = next(c for c in range(m.mlp_chunk, 0, -1) if local % c == 0)
+    used = loss_lib.divisor_at_most(m.mlp_chunk, local)
     if 2 * used <= m.mlp_chunk:
       raise ConfigError(f"model.mlp_chunk {m.mlp_chunk} does not divide the {local} tokens per device and would run "
                         f"as steps of {used}; choose a divisor of {local}.")

@@ -22,10 +22,15 @@ def global_chunk(local_chunk: int, seq_len: int) -> int:
   shards = sharding.shards("seq")
   if seq_len % shards:
     shards = 1
-  local = min(max(1, local_chunk), seq_len // shards)
-  while (seq_len // shards) % local:
-    local -= 1
-  return local * shards
+  return divisor_at_most(local_chunk, seq_len // shards) * shards
+
+
+def divisor_at_most(request: int, tokens: int) -> int:
+  """The largest divisor of `tokens` not above `request` (at least 1): a chunk that splits `tokens` evenly."""
+  chunk = min(max(1, request), tokens)
+  while tokens % chunk:
+    chunk -= 1
+  return chunk
 
 
 def _logits(h_BCD, w_DV):
