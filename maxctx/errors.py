@@ -4,6 +4,23 @@ The entry points catch these and print the sentence without a traceback; anythin
 """
 
 
+import sys
+from typing import Callable
+
+
+def exit_code(body: Callable[[], int | None]) -> int:
+  """Runs an entry point's body: its return code (0 for None), or 2 after printing a user error's sentence without a
+  traceback, or 130 when interrupted."""
+  try:
+    return body() or 0
+  except MaxctxError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  except KeyboardInterrupt:
+    print("interrupted", file=sys.stderr)
+    return 130
+
+
 class MaxctxError(Exception):
   """Base class for errors caused by the user's config, data or files."""
 

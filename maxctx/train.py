@@ -28,7 +28,7 @@ from maxctx import distributed
 from maxctx import mesh as mesh_lib
 from maxctx import metrics as metrics_lib
 from maxctx.eval import sweep as eval_sweep
-from maxctx.errors import ConfigError, MaxctxError
+from maxctx.errors import ConfigError, MaxctxError, exit_code
 from maxctx.trainer import Trainer, offloaded_bytes_per_device, validate
 
 log = logging.getLogger("maxctx")
@@ -195,18 +195,13 @@ def main(argv: list[str] | None = None) -> int:
   if not argv or argv[0] in ("-h", "--help"):
     print(USAGE)
     return 0 if argv else 2
-  try:
-    argv = distributed.initialize(argv)  # before anything touches a device; the logs then name the process
+
+  def body():
+    args = distributed.initialize(argv)  # before anything touches a device; the logs then name the process
     setup_logging()
-    config = config_lib.load(argv[0], argv[1:])
-    run(config)
-  except MaxctxError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
-  except KeyboardInterrupt:
-    print("interrupted", file=sys.stderr)
-    return 130
-  return 0
+    run(config_lib.load(args[0], args[1:]))
+
+  return exit_code(body)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from maxctx import config as config_lib
 from maxctx import metrics as metrics_lib
 from maxctx.bench import plan as plan_lib
 from maxctx.bench import plots, report
-from maxctx.errors import ConfigError, MaxctxError
+from maxctx.errors import ConfigError, MaxctxError, exit_code
 
 log = logging.getLogger("maxctx.bench")
 
@@ -179,14 +179,7 @@ def run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
   args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
   _setup_logging()
-  try:
-    return run(args)
-  except MaxctxError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
-  except KeyboardInterrupt:
-    print("interrupted", file=sys.stderr)
-    return 130
+  return exit_code(lambda: run(args))
 
 
 if __name__ == "__main__":

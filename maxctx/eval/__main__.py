@@ -21,7 +21,7 @@ import jax
 from maxctx import config as config_lib
 from maxctx import mesh as mesh_lib
 from maxctx import sharding
-from maxctx.errors import MaxctxError
+from maxctx.errors import exit_code
 from maxctx.eval import params as params_lib
 from maxctx.eval import report, sweep as sweep_lib, train_passkey
 from maxctx.trainer import validate
@@ -72,19 +72,15 @@ def main(argv: list[str] | None = None) -> int:
   logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s", datefmt="%H:%M:%S", stream=sys.stdout,
                       force=True)
   logging.getLogger("maxctx").setLevel(logging.INFO)
-  try:
+
+  def body():
     config = config_lib.load(args.config, args.overrides)
     plan = sweep_lib.Plan.from_config(config, tasks=args.tasks, lengths=args.lengths, depths=args.depths,
                                       samples=args.samples, files=args.files)
     out_dir = pathlib.Path(args.out or config.eval.output_dir or pathlib.Path(config.run.output_dir) / "eval")
     run(config, plan, out_dir, train=args.train)
-  except MaxctxError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
-  except KeyboardInterrupt:
-    print("interrupted", file=sys.stderr)
-    return 130
-  return 0
+
+  return exit_code(body)
 
 
 if __name__ == "__main__":
