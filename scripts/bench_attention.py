@@ -20,6 +20,9 @@ import sys
 import time
 
 
+BASELINE_KERNEL = "jax"   # the baseline row's kernel column
+
+
 def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--batch", type=int, default=1)
@@ -97,12 +100,18 @@ def main(argv=None) -> list[dict]:
     for row in rows:
       row["fwd_ms"], row["fwd_bwd_ms"] = (1e3 * statistics.median(ts) for ts in row.pop("times"))
       del row["fns"]
+    base = next((r for r in rows if r["kernel"] == BASELINE_KERNEL), None)
+    for row in rows:
+      # The target's measure: forward+backward time over the baseline's at the same shape and block sizes.
+      row["fwd_bwd_vs_baseline"] = row["fwd_bwd_ms"] / base["fwd_bwd_ms"] if base else None
+      ratio = f"{row['fwd_bwd_vs_baseline']:.2f}" if base else "—"
       print(f"{row['strategy']:<22} {row['kernel']:<10} {row['fwd_ms']:>10.1f} {row['fwd_bwd_ms']:>12.1f} "
-            f"{row['temp_mib']:>10.1f}", flush=True)
+            f"{ratio:>12} {row['temp_mib']:>10.1f}", flush=True)
 
   print(f"B={b} T={t} N={n} K={k} H={h} causal {args.dtype} context={args.context} "
-        f"load_balance={args.load_balance} on {jax.devices()[0].platform}")
-  print(f"{'strategy':<22} {'kernel':<10} {'fwd ms':>10} {'fwd+bwd ms':>12} {'temp MiB':>10}")
+        f"load_balance={args.load_balance} block_q={args.block_q} block_kv={args.block_kv} "
+        f"on {jax.devices()[0].platform}")
+  print(f"{'strategy':<22} {'kernel':<10} {'fwd ms':>10} {'fwd+bwd ms':>12} {'÷ baseline':>12} {'temp MiB':>10}")
   rows = []
   for strategy in args.strategies:
     degree = args.ulysses_degree if strategy == "usp" else None
@@ -123,7 +132,7 @@ def main(argv=None) -> list[dict]:
     if args.load_balance or k != n:
       print("ringattention baseline skipped: it needs the natural layout and N = K")
     else:
-      rows.append(prepare("ringattention 0.1.2", "jax", baseline(mesh, args, dtype)))
+      rows.append(prepare("ringattention 0.1.2", BASELINE_KERNEL, baseline(mesh, args, dtype)))
   time_round_robin(rows)
   if args.json:
     with open(args.json, "w") as f:

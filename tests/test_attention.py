@@ -197,10 +197,10 @@ def blockwise_one_device_temp():
 @pytest.mark.parametrize("strategy, kw", [
     ("ring", {}),
     # Known gap (issue 3, acceptance 3): a usp pass holds U·T/P tokens of a head where the ring's holds T/P (the
-    # all-to-all gathers the group's tokens), so its working set is U× the ring's; measured 0.29 of the baseline.
+    # all-to-all gathers the group's tokens), so its working set is U× the ring's; measured 0.30 of the baseline.
     # strict: passing flags the fix.
     pytest.param("usp", dict(ulysses_degree=2), marks=pytest.mark.xfail(
-        strict=True, reason="usp at context=8 measures 0.29 × the one-device temp; the target is 0.2")),
+        strict=True, reason="usp at context=8 measures 0.30 × the one-device temp; the target is 0.2")),
 ])
 def test_memory_falls_with_the_context_degree(strategy, kw, blockwise_one_device_temp):
   """B=1, T=65,536, N=K=8, H=64, causal, float32, forward+backward: per-device temp at context=8 is at most 0.2 ×
@@ -307,3 +307,26 @@ def test_cudnn_kernel_wrapper_under_all_gather():
   rng = np.random.default_rng(5)
   seg, pos = packed(rng, 2, 64)
   _strategy_against_reference("all_gather", "cudnn", make_mesh(fsdp=2, context=4), 2, 64, 4, 2, 16, seg, pos)
+
+
+# --- scripts/bench_attention.py ------------------------------------------------------------------------------------
+
+def test_bench_attention_script_reports_every_row(tmp_path):
+  """The benchmark script runs end to end at a small shape and writes one JSON row per strategy, with per-device temp
+  memory and both timings (timings are never asserted; only that they were measured)."""
+  import importlib.util
+  import json
+  import pathlib
+
+  path = pathlib.Path(__file__).parent.parent / "scripts" / "bench_attention.py"
+  spec = importlib.util.spec_from_file_location("bench_attention", path)
+  bench = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(bench)
+  out = tmp_path / "rows.json"
+  bench.main(["--seq-len", "512", "--strategies", "ring", "usp", "--iters", "1", "--block-q", "32", "--block-kv", "32",
+              "--no-baseline", "--json", str(out)])
+  rows = json.loads(out.read_text())["rows"]
+  assert [r["strategy"] for r in rows] == ["ring", "usp 2x4"]
+  for r in rows:
+    assert r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 and r["temp_mib"] > 0
+    assert r["fwd_bwd_vs_baseline"] is None   # no baseline row to divide by

@@ -14,9 +14,10 @@ The kernel is written as three pieces so that the ring can run it across chunks 
 Tiles are plain matrix products: per (batch, KV head), a block of bq queries with its G = N / K query heads is one
 [bq·G, H] matrix of rows (token-major), and a block of keys one [bk, H] matrix. Blocks move into that layout as they
 are sliced, so the kernel holds no reordered copy of q, k, v or the gradients (on the CPU the forward and backward
-ran 1.5× faster than with five-dimensional contractions). The state is laid out like q ([B, T, N, ...]; lse and
-delta [B, T, N]), so finishing it moves nothing; it is otherwise opaque to callers. `attend` is the single-chunk
-kernel with its custom_vjp; the backward recomputes scores tile by tile from (q, k, v, lse) instead of saving them.
+ran 1.5× faster than with five-dimensional contractions). The numerator is laid out like q ([B, T, N, H]), so
+finishing it moves nothing; per-row values (running max, denominator, lse, delta) are [B, N, T], tokens minor, which
+a TPU's tiled layouts store unpadded. The state is otherwise opaque to callers. `attend` is the single-chunk kernel
+with its custom_vjp; the backward recomputes scores tile by tile from (q, k, v, lse) instead of saving them.
 """
 
 from __future__ import annotations
@@ -61,6 +62,19 @@ def _q_tile(x_BTN_, start, size, kv_heads, heads=None):
   return _merge(_rows(x, kv_heads))
 
 
+def _row_tile(x_BNT, start, size, kv_heads, heads=None):
+  """Tokens [start, start + size) of a per-(query head, token) [B, N, T] array, in `_q_tile`'s row order:
+  [B, K, size·G]. `heads` as in `_q_tile`."""
+  first, count = heads if heads is not None else (0, x_BNT.shape[1])
+  x_BNQ = jax.lax.dynamic_slice(x_BNT, (0, first, start), (x_BNT.shape[0], count, size))
+  return _merge(_rows(jnp.swapaxes(x_BNQ, 1, 2), kv_heads))
+
+
+def _unrow_tile(x_BKR, size):
+  """Undo `_row_tile`: [B, K, size·G] -> [B, N, size]."""
+  return jnp.swapaxes(_unrows(x_BKR, size), 1, 2)
+
+
 def _unrows(x_BKR_, size):
   """Undo `_q_tile`'s layout: [B, K, size·G, ...] -> [B, size, N, ...]."""
   B, K, R = x_BKR_.shape[:3]
@@ -99,9 +113,9 @@ class Blockwise:
     return tuple(x.astype(_F32) for x in xs) if self.upcast else xs
 
   def init(self, q_BTNH, kv_heads):
-    del kv_heads   # the state is laid out like q, so that finishing it moves nothing
+    del kv_heads
     B, T, N, H = q_BTNH.shape
-    return jnp.zeros((B, T, N, H), _F32), jnp.full((B, T, N), -jnp.inf, _F32), jnp.zeros((B, T, N), _F32)
+    return jnp.zeros((B, T, N, H), _F32), jnp.full((B, N, T), -jnp.inf, _F32), jnp.zeros((B, N, T), _F32)
 
   def forward(self, state, q_BTNH, k_BSKH, v_BSKH, q_seg, kv_seg, q_pos, kv_pos, first_head=None):
     """The state after attending q to one more chunk of keys. With `first_head`, q may hold more heads than the
@@ -134,38 +148,40 @@ class Blockwise:
     def q_block(i, state):
       # Scaling each q block once saves a pass over every score tile.
       q_BKRH = (_q_tile(q_BTNH, i * bq, bq, K, heads) * H**-0.5).astype(q_BTNH.dtype)
-      carry = tuple(_q_tile(x, i * bq, bq, K) for x in state)
+      acc, mx, den = state
+      carry = _q_tile(acc, i * bq, bq, K), _row_tile(mx, i * bq, bq, K), _row_tile(den, i * bq, bq, K)
       # The switch carries one tile's state only: a switch over the whole state would copy it.
       carry = jax.lax.fori_loop(0, S // bk, lambda j, c: jax.lax.switch(kind_QS[i, j], [
           lambda c: c, functools.partial(tile, i, j, True, q_BKRH), functools.partial(tile, i, j, False, q_BKRH)],
           c), carry)
-      return tuple(jax.lax.dynamic_update_slice_in_dim(full, _unrows(part, bq), i * bq, axis=1)
-                   for full, part in zip(state, carry))
+      return (jax.lax.dynamic_update_slice_in_dim(acc, _unrows(carry[0], bq), i * bq, axis=1),
+              *(jax.lax.dynamic_update_slice_in_dim(full, _unrow_tile(part, bq), i * bq, axis=2)
+                for full, part in zip((mx, den), carry[1:])))
 
     with jax.named_scope("blockwise_fwd"):
       return jax.lax.fori_loop(0, _trips(skip_QS, T // bq), q_block, state)
 
   def finish(self, state, dtype):
-    """(out [B, T, N, H] in `dtype`, lse [B, T, N]). Rows that saw no key give zeros and lse -inf."""
-    acc_BTNH, max_BTN, den_BTN = state
-    empty = den_BTN == 0
-    out_BTNH = acc_BTNH / jnp.where(empty, 1.0, den_BTN)[..., None]
-    lse_BTN = jnp.where(empty, -jnp.inf, max_BTN + jnp.log(jnp.where(empty, 1.0, den_BTN)))
-    return out_BTNH.astype(dtype), lse_BTN
+    """(out [B, T, N, H] in `dtype`, lse [B, N, T]). Rows that saw no key give zeros and lse -inf."""
+    acc_BTNH, max_BNT, den_BNT = state
+    empty = den_BNT == 0
+    out_BTNH = acc_BTNH / jnp.swapaxes(jnp.where(empty, 1.0, den_BNT), 1, 2)[..., None]
+    lse_BNT = jnp.where(empty, -jnp.inf, max_BNT + jnp.log(jnp.where(empty, 1.0, den_BNT)))
+    return out_BTNH.astype(dtype), lse_BNT
 
   @staticmethod
   def delta(out_BTNH, dout_BTNH):
-    """rowsum(dO ∘ O), [B, T, N]: the softmax backward's correction term."""
-    return jnp.sum(out_BTNH.astype(_F32) * dout_BTNH.astype(_F32), axis=-1)
+    """rowsum(dO ∘ O), [B, N, T] like lse: the softmax backward's correction term."""
+    return jnp.swapaxes(jnp.sum(out_BTNH.astype(_F32) * dout_BTNH.astype(_F32), axis=-1), 1, 2)
 
-  def backward(self, q_BTNH, k_BSKH, v_BSKH, q_seg, kv_seg, q_pos, kv_pos, lse_BTN, delta_BTN, dout_BTNH,
+  def backward(self, q_BTNH, k_BSKH, v_BSKH, q_seg, kv_seg, q_pos, kv_pos, lse_BNT, delta_BNT, dout_BTNH,
                grads=None, first_head=None):
     """float32 (dq, dk, dv) of this chunk of keys, given the final lse and delta of the queries, added to `grads`
     (float32 accumulators shaped like q, k, v, updated in place) when given. With `first_head`, q, dout and delta
     may hold more heads than lse: lse's N heads are their [first_head, first_head + N), and dq has N heads."""
     q_BTNH, k_BSKH, v_BSKH, dout_BTNH = self._cast(q_BTNH, k_BSKH, v_BSKH, dout_BTNH)
     B, T, _, H = q_BTNH.shape
-    N = lse_BTN.shape[2]
+    N = lse_BNT.shape[1]
     heads = None if first_head is None else (first_head, N)
     S, K = k_BSKH.shape[1], k_BSKH.shape[2]
     G = N // K
@@ -173,13 +189,13 @@ class Blockwise:
     # With q scaled, ds · (scaled q) is dk already and only the dq tile needs the scale.
     scale = H**-0.5
     # A row that saw nothing has lse -inf and every score masked: shift by 0 so exp gives 0.
-    lse_BTN = jnp.where(jnp.isneginf(lse_BTN), 0.0, lse_BTN)
+    lse_BNT = jnp.where(jnp.isneginf(lse_BNT), 0.0, lse_BNT)
     skip_QS, kind_QS = _tile_kinds(q_seg, kv_seg, q_pos, kv_pos, bq, bk)
 
     def tile(i, j, masked, k_BKSH, v_BKSH):
       q_BKRH = (_q_tile(q_BTNH, i * bq, bq, K, heads) * scale).astype(q_BTNH.dtype)
       do_BKRH = _q_tile(dout_BTNH, i * bq, bq, K, heads)
-      lse_BKR, delta_BKR = _q_tile(lse_BTN, i * bq, bq, K), _q_tile(delta_BTN, i * bq, bq, K, heads)
+      lse_BKR, delta_BKR = _row_tile(lse_BNT, i * bq, bq, K), _row_tile(delta_BNT, i * bq, bq, K, heads)
       # Scores transposed ([keys, rows]): then dv and dk are plain products and only dq contracts over keys.
       s_BKSR = jnp.einsum("bksh,bkrh->bksr", k_BKSH, q_BKRH, preferred_element_type=_F32)
       p_BKSR = jnp.exp(s_BKSR - lse_BKR[:, :, None])

@@ -88,7 +88,8 @@ def ring_attention(parts: Blockwise, axis: str, perm: list[tuple[int, int]], hop
       return (dq, *incoming, dk, dv), None
 
     zeros = jnp.zeros(k_BTKH.shape, jnp.float32)
-    carry = (jnp.zeros((*lse.shape, q_BTNH.shape[3]), jnp.float32), k_BTKH, v_BTKH, jnp.stack([seg_BT, pos_BT]),
+    B, N, T = lse.shape
+    carry = (jnp.zeros((B, T, N, q_BTNH.shape[3]), jnp.float32), k_BTKH, v_BTKH, jnp.stack([seg_BT, pos_BT]),
              zeros, zeros)
     carry, _ = jax.lax.scan(hop, carry, length=hops - 1)
     (dq, _, _, _, dk, dv), _ = hop(carry, None)   # the last hop's K/V send is dead code, dropped by XLA
@@ -143,18 +144,18 @@ def ring_attention(parts: Blockwise, axis: str, perm: list[tuple[int, int]], hop
     ring_seg, ring_pos = (seg_BT, pos_BT) if all_to_all is None else all_to_all.gather((seg_BT, pos_BT))
 
     # rowsum(dO ∘ O) for all heads at once, so a pass needs no slice of the output.
-    delta_BTN = parts.delta(out_BTNH, dout_BTNH)
+    delta_BNT = parts.delta(out_BTNH, dout_BTNH)
 
     def one(i, grads):
       qs, ks = i * per * G, i * per
       k, v = _heads(k_BTKH, ks, per), _heads(v_BTKH, ks, per)
       if all_to_all is None:
-        dq, dk, dv = ring_backward(q_BTNH, k, v, ring_seg, ring_pos, lse_all[i], delta_BTN, dout_BTNH, first_head=qs)
+        dq, dk, dv = ring_backward(q_BTNH, k, v, ring_seg, ring_pos, lse_all[i], delta_BNT, dout_BTNH, first_head=qs)
       else:
         q, dout = _heads(q_BTNH, qs, per * G), _heads(dout_BTNH, qs, per * G)
-        delta = jax.lax.dynamic_slice_in_dim(delta_BTN, qs, per * G, axis=2)
-        q, dout, delta, k, v = all_to_all.to_heads(q, dout, delta[..., None], *all_to_all.replicate(k, v))
-        dq, dk, dv = ring_backward(q, k, v, ring_seg, ring_pos, lse_all[i], delta[..., 0], dout)
+        delta_BTN = jnp.swapaxes(jax.lax.dynamic_slice_in_dim(delta_BNT, qs, per * G, axis=1), 1, 2)
+        q, dout, delta, k, v = all_to_all.to_heads(q, dout, delta_BTN[..., None], *all_to_all.replicate(k, v))
+        dq, dk, dv = ring_backward(q, k, v, ring_seg, ring_pos, lse_all[i], jnp.swapaxes(delta[..., 0], 1, 2), dout)
       if all_to_all is not None:
         dq, dk, dv = all_to_all.to_tokens(dq, dk, dv)
         dk, dv = all_to_all.unreplicate(dk, dv, per)
