@@ -5,8 +5,8 @@ kernel, with the `ringattention` PyPI package (0.1.2) as a baseline row.
   python scripts/bench_attention.py --strategies ring usp --kernels blockwise --json out.json
   python scripts/bench_attention.py --seq-len 65536 --iters 3 --no-baseline
 
-On a CPU host it fakes `--context` devices (XLA_FLAGS) before JAX starts. Temp memory is the compiled
-forward+backward's `memory_analysis().temp_size_in_bytes` per device. Timings belong here, never in tests.
+On a CPU host it fakes `--context` devices (XLA_FLAGS) before JAX starts. Forward+backward is the vjp with a random
+output cotangent; temp memory is its compiled `memory_analysis().temp_size_in_bytes` per device. Timings belong here, never in tests.
 Target at the default shape: ring forward+backward ≤ 0.6 × ringattention's time, and per-device temp no larger.
 """
 
@@ -78,14 +78,20 @@ def main(argv=None) -> list[dict]:
   q = jax.device_put(jnp.asarray(rng.normal(size=(b, t, n, h)), dtype), heads)
   kk = jax.device_put(jnp.asarray(rng.normal(size=(b, t, k, h)), dtype), heads)
   v = jax.device_put(jnp.asarray(rng.normal(size=(b, t, k, h)), dtype), heads)
+  dout = jax.device_put(jnp.asarray(rng.normal(size=(b, t, n, h)), dtype), heads)
   seg, pos = jax.device_put(seg, toks), jax.device_put(pos, toks)
 
   def prepare(label, kernel, fn):
     fwd = jax.jit(fn).lower(q, kk, v, seg, pos).compile()
-    loss = lambda q, kk, v, s, p: jnp.sum(fn(q, kk, v, s, p).astype(jnp.float32))  # noqa: E731
-    fwd_bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kk, v, seg, pos).compile()
-    for f in (fwd, fwd_bwd):
-      jax.block_until_ready(f(q, kk, v, seg, pos))   # warm up
+
+    # Forward+backward with the output's cotangent as an argument, as inside a model (a loss like sum(out) would add
+    # a broadcast of ones that XLA may materialise for one strategy and fuse for another).
+    def grads(q, kk, v, seg, pos, dout):
+      return jax.vjp(lambda q, kk, v: fn(q, kk, v, seg, pos), q, kk, v)[1](dout)
+
+    fwd_bwd = jax.jit(grads).lower(q, kk, v, seg, pos, dout).compile()
+    jax.block_until_ready(fwd(q, kk, v, seg, pos))   # warm up
+    jax.block_until_ready(fwd_bwd(q, kk, v, seg, pos, dout))
     return dict(strategy=label, kernel=kernel, temp_mib=fwd_bwd.memory_analysis().temp_size_in_bytes / 2**20,
                 fns=(fwd, fwd_bwd), times=([], []))
 
@@ -93,9 +99,10 @@ def main(argv=None) -> list[dict]:
     """One call of each function per round, so load on a shared host falls on every row alike."""
     for _ in range(args.iters):
       for row in rows:
-        for f, times in zip(row["fns"], row["times"]):
+        for f, operands, times in zip(row["fns"], ((q, kk, v, seg, pos), (q, kk, v, seg, pos, dout)),
+                                      row["times"]):
           start = time.perf_counter()
-          jax.block_until_ready(f(q, kk, v, seg, pos))
+          jax.block_until_ready(f(*operands))
           times.append(time.perf_counter() - start)
     for row in rows:
       row["fwd_ms"], row["fwd_bwd_ms"] = (1e3 * statistics.median(ts) for ts in row.pop("times"))
@@ -137,7 +144,8 @@ def main(argv=None) -> list[dict]:
   if args.json:
     with open(args.json, "w") as f:
       json.dump(dict(shape=dict(batch=b, seq_len=t, heads=n, kv_heads=k, head_dim=h, dtype=args.dtype,
-                                context=args.context, load_balance=args.load_balance), rows=rows), f, indent=2)
+                                context=args.context, load_balance=args.load_balance, block_q=args.block_q,
+                                block_kv=args.block_kv), rows=rows), f, indent=2)
   return rows
 
 

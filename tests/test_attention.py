@@ -186,6 +186,7 @@ def blockwise_one_device_temp():
   kernel = kernels.get("blockwise")
   b, t, n, k, h = MEM.values()
   spec = jax.ShapeDtypeStruct
+
   def grads(q, kk, v, s, p, dout):
     return jax.vjp(lambda q, kk, v: kernel(q, kk, v, s, s, p, p), q, kk, v)[1](dout)
 

@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import maxctx.attention as attention
 from maxctx import sharding
-from maxctx.attention import kernels, layout
+from maxctx.attention import kernels, layout, ring
 from maxctx.errors import ConfigError
 
 B, T, H = 2, 128, 16
@@ -151,6 +151,14 @@ def test_fast_context8_packed_gqa_zigzag(strategy_key):
 @pytest.mark.parametrize("strategy_key", ["ring", "usp2"])
 def test_fast_bfloat16(strategy_key):
   check(strategy_key, "ctx8", "gqa4", jnp.bfloat16, masks=("packed",), zigzag=(True,))
+
+
+@pytest.mark.parametrize("strategy_key", ["ring", "usp2"])
+def test_fast_one_kv_head_per_pass(strategy_key, monkeypatch):
+  """With a pass budget of one byte every ring pass carries one KV head with its 4 query heads, as at long sequence
+  lengths: passes after the first read q, dout and delta at a head offset. GQA, packed documents, zigzag."""
+  monkeypatch.setattr(ring, "PASS_BYTES", 1)
+  check(strategy_key, "ctx8", "gqa4", masks=("packed",), zigzag=(True,))
 
 
 @pytest.mark.slow

@@ -1,14 +1,15 @@
 """The blockwise kernel: FlashAttention's online softmax in pure JAX, with a custom backward. O(T) memory.
 
-Queries are cut into blocks of `block_q`, keys into blocks of `block_kv`; only one [block_q, block_kv] score tile per
-(batch, head) lives at a time. Block pairs the mask hides entirely (`mask.hidden`) are skipped under `lax.cond`, so
-causal attention costs about half of full attention and packed documents cost only their own squares.
+Queries are cut into blocks of `block_q`, keys into blocks of `block_kv`; only one [block_q·G, block_kv] score tile
+per (batch, KV head) lives at a time. Block pairs the mask hides entirely (`mask.hidden`) are skipped under
+`lax.cond`, so causal attention costs about half of full attention and packed documents cost only their own squares.
 
-The kernel is written as three pieces so that the ring can run it across chunks of keys that arrive one at a time:
+The kernel is written in pieces so that the ring can run it across chunks of keys that arrive one at a time:
 
     state = init(q)                                   # running max, denominator and numerator, float32
     state = forward(state, q, k, v, ...)              # once per chunk of keys; the online softmax carries over
     out, lse = finish(state, dtype)
+    delta = delta(out, do)
     dq, dk, dv = backward(q, k, v, ..., lse, delta, do)   # per chunk of keys, float32 partial gradients
 
 Tiles are plain matrix products: per (batch, KV head), a block of bq queries with its G = N / K query heads is one
@@ -112,8 +113,8 @@ class Blockwise:
   def _cast(self, *xs):
     return tuple(x.astype(_F32) for x in xs) if self.upcast else xs
 
-  def init(self, q_BTNH, kv_heads):
-    del kv_heads
+  def init(self, q_BTNH):
+    """The empty state for q's heads; only q's shape is read."""
     B, T, N, H = q_BTNH.shape
     return jnp.zeros((B, T, N, H), _F32), jnp.full((B, N, T), -jnp.inf, _F32), jnp.zeros((B, N, T), _F32)
 
@@ -177,8 +178,8 @@ class Blockwise:
   def backward(self, q_BTNH, k_BSKH, v_BSKH, q_seg, kv_seg, q_pos, kv_pos, lse_BNT, delta_BNT, dout_BTNH,
                grads=None, first_head=None):
     """float32 (dq, dk, dv) of this chunk of keys, given the final lse and delta of the queries, added to `grads`
-    (float32 accumulators shaped like q, k, v, updated in place) when given. With `first_head`, q, dout and delta
-    may hold more heads than lse: lse's N heads are their [first_head, first_head + N), and dq has N heads."""
+    (float32 accumulators shaped like dq, k, v, updated in place) when given. dq has lse's N heads: with
+    `first_head`, q, dout and delta may hold more, and the pass reads their [first_head, first_head + N)."""
     q_BTNH, k_BSKH, v_BSKH, dout_BTNH = self._cast(q_BTNH, k_BSKH, v_BSKH, dout_BTNH)
     B, T, _, H = q_BTNH.shape
     N = lse_BNT.shape[1]
@@ -264,8 +265,7 @@ def attend_fn(parts: Blockwise):
     return fwd(q_BTNH, k_BSKH, v_BSKH, q_seg, kv_seg, q_pos, kv_pos)[0]
 
   def fwd(q_BTNH, k_BSKH, v_BSKH, q_seg, kv_seg, q_pos, kv_pos):
-    K = k_BSKH.shape[2]
-    state = parts.forward(parts.init(q_BTNH, K), q_BTNH, k_BSKH, v_BSKH, q_seg, kv_seg, q_pos, kv_pos)
+    state = parts.forward(parts.init(q_BTNH), q_BTNH, k_BSKH, v_BSKH, q_seg, kv_seg, q_pos, kv_pos)
     out_BTNH, lse = parts.finish(state, q_BTNH.dtype)
     return out_BTNH, (q_BTNH, k_BSKH, v_BSKH, q_seg, kv_seg, q_pos, kv_pos, out_BTNH, lse)
 

@@ -33,7 +33,8 @@ from maxctx.attention.blockwise import Blockwise
 from maxctx.attention.registry import Strategy, register
 from maxctx.attention.ulysses import AllToAll
 
-# The most bytes of K and V one hop of a pass may carry, unless a single KV head needs more.
+# The most bytes of K and V (as given, before any USP replication) that one hop of a pass may carry, unless a single
+# KV head needs more. The backward's hops also carry float32 dK/dV: up to 3× this for bfloat16 K/V.
 PASS_BYTES = 2 * 2**20
 
 
@@ -42,7 +43,7 @@ def _heads(x, start, size):
 
 
 def ring_attention(parts: Blockwise, axis: str, perm: list[tuple[int, int]], hops: int,
-                   all_to_all: AllToAll | None = None, pass_bytes: int = PASS_BYTES):
+                   all_to_all: AllToAll | None = None, pass_bytes: int | None = None):
   """Per-device fn(q, k, v, segment_ids, positions) -> out: the local queries attend to the K/V of all `hops`
   devices on the cycle `perm` of `axis` (each device's queries and K/V share its segment ids and positions).
 
@@ -70,25 +71,26 @@ def ring_attention(parts: Blockwise, axis: str, perm: list[tuple[int, int]], hop
       return (visit(state, *chunk), *incoming), None
 
     pass_q = jax.ShapeDtypeStruct((*q_BTNH.shape[:2], count, q_BTNH.shape[3]), q_BTNH.dtype)
-    carry = (parts.init(pass_q, k_BTKH.shape[2]), k_BTKH, v_BTKH, jnp.stack([seg_BT, pos_BT]))
+    carry = (parts.init(pass_q), k_BTKH, v_BTKH, jnp.stack([seg_BT, pos_BT]))
     (state, *chunk), _ = jax.lax.scan(hop, carry, length=hops - 1)
     return parts.finish(visit(state, *chunk), q_BTNH.dtype)
 
-  def ring_backward(q_BTNH, k_BTKH, v_BTKH, seg_BT, pos_BT, lse, delta, dout_BTNH, first_head=None):
+  def ring_backward(q_BTNH, k_BTKH, v_BTKH, seg_BT, pos_BT, lse_BNT, delta_BNT, dout_BTNH, first_head=None):
     """dq has lse's heads; with `first_head`, q, dout and delta hold all heads and the pass reads its own in place."""
     def hop(carry, _):
-      dq, k, v, ids_2BT, dk, dv = carry
+      dq_BTNH, k_BSKH, v_BSKH, ids_2BS, dk_BSKH, dv_BSKH = carry
       with jax.named_scope("ring_ppermute_kv"):
-        incoming = send((k, v, ids_2BT))
-      dq, dk, dv = parts.backward(q_BTNH, k, v, seg_BT, ids_2BT[0], pos_BT, ids_2BT[1], lse, delta, dout_BTNH,
-                                  grads=(dq, dk, dv), first_head=first_head)
+        incoming = send((k_BSKH, v_BSKH, ids_2BS))
+      dq_BTNH, dk_BSKH, dv_BSKH = parts.backward(
+          q_BTNH, k_BSKH, v_BSKH, seg_BT, ids_2BS[0], pos_BT, ids_2BS[1], lse_BNT, delta_BNT, dout_BTNH,
+          grads=(dq_BTNH, dk_BSKH, dv_BSKH), first_head=first_head)
       with jax.named_scope("ring_ppermute_dkv"):
         # The accumulators travel with their chunk; this hop overlaps the next chunk's compute.
-        dk, dv = send((dk, dv))
-      return (dq, *incoming, dk, dv), None
+        dk_BSKH, dv_BSKH = send((dk_BSKH, dv_BSKH))
+      return (dq_BTNH, *incoming, dk_BSKH, dv_BSKH), None
 
     zeros = jnp.zeros(k_BTKH.shape, jnp.float32)
-    B, N, T = lse.shape
+    B, N, T = lse_BNT.shape
     carry = (jnp.zeros((B, T, N, q_BTNH.shape[3]), jnp.float32), k_BTKH, v_BTKH, jnp.stack([seg_BT, pos_BT]),
              zeros, zeros)
     carry, _ = jax.lax.scan(hop, carry, length=hops - 1)
@@ -102,7 +104,8 @@ def ring_attention(parts: Blockwise, axis: str, perm: list[tuple[int, int]], hop
     G = N // K
     valid = [d for d in range(1, K + 1) if K % d == 0 and d * G % degree == 0]
     head_bytes = 2 * k_BTKH.shape[0] * k_BTKH.shape[1] * k_BTKH.shape[3] * k_BTKH.dtype.itemsize
-    fitting = [d for d in valid if d * head_bytes <= pass_bytes]
+    budget = PASS_BYTES if pass_bytes is None else pass_bytes   # read at call time, so tests can lower it
+    fitting = [d for d in valid if d * head_bytes <= budget]
     per = max(fitting) if fitting else min(valid)
     return K // per, per, G
 
@@ -122,7 +125,8 @@ def ring_attention(parts: Blockwise, axis: str, perm: list[tuple[int, int]], hop
       return (jax.lax.dynamic_update_slice_in_dim(out_BTNH, out, i * per * G, axis=2),
               jax.lax.dynamic_update_index_in_dim(lse_all, lse, i, axis=0))
 
-    q0, k0, v0 = _heads(q_BTNH, 0, per * G), _heads(k_BTKH, 0, per), _heads(v_BTKH, 0, per)
+    q0, k0, v0 = (jax.ShapeDtypeStruct((*x.shape[:2], h, x.shape[3]), x.dtype)
+                  for x, h in ((q_BTNH, per * G), (k_BTKH, per), (v_BTKH, per)))
     if all_to_all is not None:
       q0, k0, v0 = jax.eval_shape(lambda q, k, v: all_to_all.to_heads(q, *all_to_all.replicate(k, v)), q0, k0, v0)
     lse0 = jax.eval_shape(lambda *a: ring_forward(*a)[1], q0, k0, v0, ring_seg, ring_pos)
@@ -156,7 +160,6 @@ def ring_attention(parts: Blockwise, axis: str, perm: list[tuple[int, int]], hop
         delta_BTN = jnp.swapaxes(jax.lax.dynamic_slice_in_dim(delta_BNT, qs, per * G, axis=1), 1, 2)
         q, dout, delta, k, v = all_to_all.to_heads(q, dout, delta_BTN[..., None], *all_to_all.replicate(k, v))
         dq, dk, dv = ring_backward(q, k, v, ring_seg, ring_pos, lse_all[i], jnp.swapaxes(delta[..., 0], 1, 2), dout)
-      if all_to_all is not None:
         dq, dk, dv = all_to_all.to_tokens(dq, dk, dv)
         dk, dv = all_to_all.unreplicate(dk, dv, per)
       return tuple(jax.lax.dynamic_update_slice_in_dim(full, part.astype(full.dtype), start, axis=2)
