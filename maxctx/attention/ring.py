@@ -97,6 +97,12 @@ def ring_attention(parts: Blockwise, axis: str, perm: list[tuple[int, int]], hop
     (dq, _, _, _, dk, dv), _ = hop(carry, None)   # the last hop's K/V send is dead code, dropped by XLA
     return dq, dk, dv
 
+  def passes(n):
+    """n as a loop bound XLA cannot see: a one-trip loop would be inlined, and on XLA:CPU the ring's collectives then
+    sat beside the layer's other collectives with nothing ordering them; devices ran them in different orders and the
+    step deadlocked (seen with one pass of all heads in tests/test_resume.py)."""
+    return n + jnp.minimum(jax.lax.axis_index(axis), 0)
+
   def plan(q_BTNH, k_BTKH):
     """(passes, KV heads per pass, query heads per KV head): the most KV heads per pass whose K and V stay within
     `pass_bytes` per hop, or else the fewest; either way a divisor of K whose query heads the all-to-all splits."""
@@ -131,7 +137,7 @@ def ring_attention(parts: Blockwise, axis: str, perm: list[tuple[int, int]], hop
       q0, k0, v0 = jax.eval_shape(lambda q, k, v: all_to_all.to_heads(q, *all_to_all.replicate(k, v)), q0, k0, v0)
     lse0 = jax.eval_shape(lambda *a: ring_forward(*a)[1], q0, k0, v0, ring_seg, ring_pos)
     carry = (jnp.zeros(q_BTNH.shape, q_BTNH.dtype), jnp.zeros((n, *lse0.shape), lse0.dtype))
-    return jax.lax.fori_loop(0, n, one, carry)
+    return jax.lax.fori_loop(0, passes(n), one, carry)
 
   @jax.custom_vjp
   def attend(q_BTNH, k_BTKH, v_BTKH, seg_BT, pos_BT):
@@ -167,7 +173,7 @@ def ring_attention(parts: Blockwise, axis: str, perm: list[tuple[int, int]], hop
 
     with jax.named_scope("ring_bwd"):
       grads = (jnp.zeros_like(q_BTNH), jnp.zeros_like(k_BTKH), jnp.zeros_like(v_BTKH))
-      dq, dk, dv = jax.lax.fori_loop(0, n, one, grads)
+      dq, dk, dv = jax.lax.fori_loop(0, passes(n), one, grads)
     return dq, dk, dv, None, None
 
   attend.defvjp(attend_fwd, attend_bwd)
