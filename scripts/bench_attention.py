@@ -6,7 +6,8 @@ kernel, with the `ringattention` PyPI package (0.1.2) as a baseline row.
   python scripts/bench_attention.py --seq-len 65536 --iters 3 --no-baseline
 
 On a CPU host it fakes `--context` devices (XLA_FLAGS) before JAX starts. Forward+backward is the vjp with a random
-output cotangent; temp memory is its compiled `memory_analysis().temp_size_in_bytes` per device. Timings belong here, never in tests.
+output cotangent; temp memory is its compiled `memory_analysis().temp_size_in_bytes` per device. Timings belong
+here, never in tests.
 Target at the default shape: ring forward+backward ≤ 0.6 × ringattention's time, and per-device temp no larger.
 """
 

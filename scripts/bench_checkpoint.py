@@ -6,9 +6,9 @@ contrast) a blocking save every step, over the same number of steps.
 Each mode trains the demo from scratch in its own output directory (8 fake CPU devices unless XLA_FLAGS says
 otherwise). Step times come from the run's TensorBoard `step_time`, which leaves out the time the loop spends inside
 a save (maxctx.train restarts its clock after one); step 1 holds compilation and is left out. `loop s` is the wall
-time of steps 2..N: their step times plus the save calls made after them; `overhead` compares it with no saving. `loop waits per save` is the median time a
-Checkpoints.save call holds the loop (the first save, which sets Orbax up, is left out). With --repeats each figure is
-the median over runs.
+time of steps 2..N: their step times plus the save calls made after them; `overhead` compares it with no saving.
+`loop waits per save` is the median time a Checkpoints.save call holds the loop (the first save, which sets Orbax up,
+is left out). With --repeats each figure is the median over runs.
 """
 
 from __future__ import annotations

@@ -63,6 +63,13 @@ def _q_tile(x_BTN_, start, size, kv_heads, heads=None):
   return _merge(_rows(x, kv_heads))
 
 
+def _unrows(x_BKR_, size):
+  """Undo `_q_tile`'s layout: [B, K, size·G, ...] -> [B, size, N, ...]."""
+  B, K, R = x_BKR_.shape[:3]
+  x_BKTG_ = x_BKR_.reshape(B, K, size, R // size, *x_BKR_.shape[3:])
+  return jnp.swapaxes(x_BKTG_, 1, 2).reshape(B, size, K * (R // size), *x_BKR_.shape[3:])
+
+
 def _row_tile(x_BNT, start, size, kv_heads, heads=None):
   """Tokens [start, start + size) of a per-(query head, token) [B, N, T] array, in `_q_tile`'s row order:
   [B, K, size·G]. `heads` as in `_q_tile`."""
@@ -74,13 +81,6 @@ def _row_tile(x_BNT, start, size, kv_heads, heads=None):
 def _unrow_tile(x_BKR, size):
   """Undo `_row_tile`: [B, K, size·G] -> [B, N, size]."""
   return jnp.swapaxes(_unrows(x_BKR, size), 1, 2)
-
-
-def _unrows(x_BKR_, size):
-  """Undo `_q_tile`'s layout: [B, K, size·G, ...] -> [B, size, N, ...]."""
-  B, K, R = x_BKR_.shape[:3]
-  x_BKTG_ = x_BKR_.reshape(B, K, size, R // size, *x_BKR_.shape[3:])
-  return jnp.swapaxes(x_BKTG_, 1, 2).reshape(B, size, K * (R // size), *x_BKR_.shape[3:])
 
 
 def _kv_tile(x_BSKH, start, size):

@@ -56,8 +56,7 @@ def _expected(config: Config, topo: topology_lib.Topology, num_slices: int, mesh
   return {"topology": topo.name, "num_slices": num_slices, "strategy": a.strategy, "kernel": a.kernel,
           "seq_len": config.data.seq_len, "batch_size": config.data.batch_size, "mesh": mesh,
           "remat": config.model.remat, "loss_chunk": config.model.loss_chunk, "mlp_chunk": config.model.mlp_chunk,
-          "block_q": a.block_q,
-          "block_kv": a.block_kv, "params": metrics_lib.param_count(config.model)}
+          "block_q": a.block_q, "block_kv": a.block_kv, "params": metrics_lib.param_count(config.model)}
 
 
 def find_report(directory: pathlib.Path, config: Config, topo: topology_lib.Topology, num_slices: int,
