@@ -161,6 +161,20 @@ def test_fast_one_kv_head_per_pass(strategy_key, monkeypatch):
   check(strategy_key, "ctx8", "gqa4", masks=("packed",), zigzag=(True,))
 
 
+@pytest.mark.parametrize("strategy_key, heads_key", [("ring", "gqa4"), ("usp2", "gqa4"), ("usp4", "gqa4"),
+                                                     ("ring", "mha"), ("usp2", "mha")])
+def test_fast_sub_chunked_hops(strategy_key, heads_key, monkeypatch):
+  """When one KV head's chunk is too large for a hop (long sequences), each pass sends its tokens round the ring in
+  sub-chunks (for USP, each all-to-all'd on its own) and writes dK/dV back at their token offsets. Packed, zigzag."""
+  monkeypatch.setattr(ring, "PASS_BYTES", 1)
+  monkeypatch.setattr(ring, "KV_SHARE", 64)
+  strategy, degree = STRATEGIES[strategy_key]
+  n_heads, kv_heads = HEADS[heads_key]
+  local = lambda heads: jax.ShapeDtypeStruct((B, T // 8, heads, H), jnp.float32)  # noqa: E731
+  assert ring.pass_plan(local(n_heads), local(kv_heads), degree or 1, BLOCK)[3] > 1
+  check(strategy_key, "ctx8", heads_key, masks=("packed",), zigzag=(True,))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("heads_key", list(HEADS))
 @pytest.mark.parametrize("mesh_key", list(MESHES))

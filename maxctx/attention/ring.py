@@ -17,7 +17,11 @@ all heads travelled at once, so the ring runs in passes over groups of KV heads 
 least U query heads per pass): in-flight memory is one group's, and everything else is O(T/P). A group is as many
 KV heads as keep one hop's K and V within `PASS_BYTES`, at least one: long chunks go one head at a time, short ones
 batch heads so that each hop's collectives and kernel calls carry enough work (on the CPU, T = 8192 over 8 devices
-ran 7% faster with 4 heads per pass than with one).
+ran 7% faster with 4 heads per pass than with one). When one head's chunk is itself larger, the pass sends it in
+sub-chunks of tokens, each round the whole ring in turn (USP all-to-alls each sub-chunk on its own): the same bytes
+in more, smaller hops, so that K/V in flight stays a small share of the queries' own state (`KV_SHARE`). This is
+what keeps USP's memory near the ring's: its pass holds the all-to-all group's U·T/P tokens of a head, so whole
+hops would carry U× the ring's K/V.
 
 `ring_attention` works on any cycle of the axis, so USP reuses it across its groups.
 """
@@ -29,21 +33,63 @@ import jax.numpy as jnp
 
 from maxctx import sharding
 from maxctx.attention import kernels
-from maxctx.attention.blockwise import Blockwise
+from maxctx.attention.blockwise import Blockwise, fit_block
 from maxctx.attention.registry import Strategy, register
-from maxctx.attention.ulysses import AllToAll
+from maxctx.attention.ulysses import AllToAll, kv_replication
 
 # The most bytes of K and V (as given, before any USP replication) that one hop of a pass may carry, unless a single
 # KV head needs more. The backward's hops also carry float32 dK/dV: up to 3× this for bfloat16 K/V.
 PASS_BYTES = 2 * 2**20
+# When a single KV head's chunk exceeds PASS_BYTES, its tokens travel in sub-chunks of at most 1/KV_SHARE of the
+# pass's query-side bytes (its queries and their float32 numerator): K/V in flight (the sub-chunk computed on and the
+# one arriving) then stays within a quarter of the state the queries need anyway.
+KV_SHARE = 8
+
+
+def pass_plan(q_BTNH, k_BTKH, degree: int = 1, block_kv: int | None = None):
+  """(passes, KV heads per pass, query heads per KV head, sub-chunks per hop) for local q and K shaped like these,
+  under an all-to-all of `degree` (USP; 1 is the ring). A pass takes the most KV heads whose K and V stay within
+  `PASS_BYTES` per hop, or else the fewest; either way a divisor of K whose query heads the all-to-all splits. When
+  even the fewest exceed it, the local tokens travel in the fewest sub-chunks that carry at most 1/`KV_SHARE` of the
+  pass's query-side bytes per hop, cut on the kernel's key blocks (`block_kv`)."""
+  N, K = q_BTNH.shape[2], k_BTKH.shape[2]
+  G = N // K
+  valid = [d for d in range(1, K + 1) if K % d == 0 and d * G % degree == 0]
+  B, T, _, H = k_BTKH.shape
+  head_bytes = 2 * B * T * H * jnp.dtype(k_BTKH.dtype).itemsize
+  fitting = [d for d in valid if d * head_bytes <= PASS_BYTES]   # read at call time, so tests can lower it
+  per = max(fitting) if fitting else min(valid)
+  if fitting:
+    return K // per, per, G, 1
+  # A hop carries the pass's KV heads as replicated for the all-to-all; after it, its tokens are degree × T.
+  hop_bytes = per * kv_replication(per, degree) * head_bytes
+  query_bytes = per * G * B * T * H * (jnp.dtype(q_BTNH.dtype).itemsize + 4)
+  block = fit_block(block_kv, degree * T)
+  cuts = [s for s in range(1, T + 1) if T % s == 0 and degree * T // s % block == 0]
+  return K // per, per, G, next((s for s in cuts if hop_bytes / s <= query_bytes / KV_SHARE), cuts[-1])
 
 
 def _heads(x, start, size):
   return jax.lax.dynamic_slice_in_dim(x, start, size, axis=2)
 
 
+def _tokens(x, start, size):
+  return jax.lax.dynamic_slice_in_dim(x, start, size, axis=1)
+
+
+def _block(x_BTKH, token, tokens, head, heads):
+  """Tokens [token, token + tokens) of heads [head, head + heads): one slice, no intermediate copy of either."""
+  B, _, _, H = x_BTKH.shape
+  return jax.lax.dynamic_slice(x_BTKH, (0, token, head, 0), (B, tokens, heads, H))
+
+
+def _put(full, part, token, head):
+  """full[:, token:, head:] = part (cast to full's dtype), for [B, T, heads, H] arrays."""
+  return jax.lax.dynamic_update_slice(full, part.astype(full.dtype), (0, token, head, 0))
+
+
 def ring_attention(parts: Blockwise, axis: str, perm: list[tuple[int, int]], hops: int,
-                   all_to_all: AllToAll | None = None, pass_bytes: int | None = None):
+                   all_to_all: AllToAll | None = None):
   """Per-device fn(q, k, v, segment_ids, positions) -> out: the local queries attend to the K/V of all `hops`
   devices on the cycle `perm` of `axis` (each device's queries and K/V share its segment ids and positions).
 
@@ -55,14 +101,23 @@ def ring_attention(parts: Blockwise, axis: str, perm: list[tuple[int, int]], hop
   def send(x):
     return jax.lax.ppermute(x, axis, perm)
 
+  def ring_chunk(k_BTKH, v_BTKH, seg_BT, pos_BT, start, size, head, heads):
+    """Tokens [start, start + size) of the local K/V's heads [head, head + heads), with their ids, as the ring
+    carries them (USP: all-to-all'd to head sharding)."""
+    k_BCKH, v_BCKH = _block(k_BTKH, start, size, head, heads), _block(v_BTKH, start, size, head, heads)
+    seg_BC, pos_BC = _tokens(seg_BT, start, size), _tokens(pos_BT, start, size)
+    if all_to_all is None:
+      return k_BCKH, v_BCKH, jnp.stack([seg_BC, pos_BC])
+    k_BCKH, v_BCKH = all_to_all.to_heads(*all_to_all.replicate(k_BCKH, v_BCKH))
+    return k_BCKH, v_BCKH, jnp.stack(all_to_all.gather((seg_BC, pos_BC)))
+
   # K and V travel as two arrays, not stacked: the kernel's loops take each as an operand, and slices of a stack
   # made XLA copy both out of it on every hop. Segment ids and positions travel stacked (they are small).
-  def ring_forward(q_BTNH, k_BTKH, v_BTKH, seg_BT, pos_BT, heads=None):
-    """With `heads` = (first, count), the pass attends q's heads [first, first + count), read in place."""
-    first, count = heads if heads is not None else (None, q_BTNH.shape[2])
-
-    def visit(state, k, v, ids_2BT):
-      return parts.forward(state, q_BTNH, k, v, seg_BT, ids_2BT[0], pos_BT, ids_2BT[1], first_head=first)
+  def ring_forward(state, q_BTNH, k_BSKH, v_BSKH, ids_2BS, seg_BT, pos_BT, first_head):
+    """The state after the queries met every device's chunk; with `first_head`, q holds more heads than the
+    state and the pass reads its own in place."""
+    def visit(state, k, v, ids_2BS):
+      return parts.forward(state, q_BTNH, k, v, seg_BT, ids_2BS[0], pos_BT, ids_2BS[1], first_head=first_head)
 
     def hop(carry, _):
       state, *chunk = carry
@@ -70,13 +125,13 @@ def ring_attention(parts: Blockwise, axis: str, perm: list[tuple[int, int]], hop
         incoming = send(tuple(chunk))   # issued before the compute on this chunk so the transfer overlaps it
       return (visit(state, *chunk), *incoming), None
 
-    pass_q = jax.ShapeDtypeStruct((*q_BTNH.shape[:2], count, q_BTNH.shape[3]), q_BTNH.dtype)
-    carry = (parts.init(pass_q), k_BTKH, v_BTKH, jnp.stack([seg_BT, pos_BT]))
-    (state, *chunk), _ = jax.lax.scan(hop, carry, length=hops - 1)
-    return parts.finish(visit(state, *chunk), q_BTNH.dtype)
+    (state, *chunk), _ = jax.lax.scan(hop, (state, k_BSKH, v_BSKH, ids_2BS), length=hops - 1)
+    return visit(state, *chunk)
 
-  def ring_backward(q_BTNH, k_BTKH, v_BTKH, seg_BT, pos_BT, lse_BNT, delta_BNT, dout_BTNH, first_head=None):
-    """dq has lse's heads; with `first_head`, q, dout and delta hold all heads and the pass reads its own in place."""
+  def ring_backward(dq_BTNH, q_BTNH, k_BSKH, v_BSKH, ids_2BS, seg_BT, pos_BT, lse_BNT, delta_BNT, dout_BTNH,
+                    first_head):
+    """(dq + this chunk's share, dk, dv): dq has lse's heads; with `first_head`, q, dout and delta hold all heads
+    and the pass reads its own in place."""
     def hop(carry, _):
       dq_BTNH, k_BSKH, v_BSKH, ids_2BS, dk_BSKH, dv_BSKH = carry
       with jax.named_scope("ring_ppermute_kv"):
@@ -89,11 +144,8 @@ def ring_attention(parts: Blockwise, axis: str, perm: list[tuple[int, int]], hop
         dk_BSKH, dv_BSKH = send((dk_BSKH, dv_BSKH))
       return (dq_BTNH, *incoming, dk_BSKH, dv_BSKH), None
 
-    zeros = jnp.zeros(k_BTKH.shape, jnp.float32)
-    B, N, T = lse_BNT.shape
-    carry = (jnp.zeros((B, T, N, q_BTNH.shape[3]), jnp.float32), k_BTKH, v_BTKH, jnp.stack([seg_BT, pos_BT]),
-             zeros, zeros)
-    carry, _ = jax.lax.scan(hop, carry, length=hops - 1)
+    zeros = jnp.zeros(k_BSKH.shape, jnp.float32)
+    carry, _ = jax.lax.scan(hop, (dq_BTNH, k_BSKH, v_BSKH, ids_2BS, zeros, zeros), length=hops - 1)
     (dq, _, _, _, dk, dv), _ = hop(carry, None)   # the last hop's K/V send is dead code, dropped by XLA
     return dq, dk, dv
 
@@ -104,38 +156,36 @@ def ring_attention(parts: Blockwise, axis: str, perm: list[tuple[int, int]], hop
     return n + jnp.minimum(jax.lax.axis_index(axis), 0)
 
   def plan(q_BTNH, k_BTKH):
-    """(passes, KV heads per pass, query heads per KV head): the most KV heads per pass whose K and V stay within
-    `pass_bytes` per hop, or else the fewest; either way a divisor of K whose query heads the all-to-all splits."""
-    N, K = q_BTNH.shape[2], k_BTKH.shape[2]
-    G = N // K
-    valid = [d for d in range(1, K + 1) if K % d == 0 and d * G % degree == 0]
-    head_bytes = 2 * k_BTKH.shape[0] * k_BTKH.shape[1] * k_BTKH.shape[3] * k_BTKH.dtype.itemsize
-    budget = PASS_BYTES if pass_bytes is None else pass_bytes   # read at call time, so tests can lower it
-    fitting = [d for d in valid if d * head_bytes <= budget]
-    per = max(fitting) if fitting else min(valid)
-    return K // per, per, G
+    return pass_plan(q_BTNH, k_BTKH, degree, parts.block_kv)
 
   def forward(q_BTNH, k_BTKH, v_BTKH, seg_BT, pos_BT):
-    n, per, G = plan(q_BTNH, k_BTKH)
+    n, per, G, subs = plan(q_BTNH, k_BTKH)
+    C = k_BTKH.shape[1] // subs
     ring_seg, ring_pos = (seg_BT, pos_BT) if all_to_all is None else all_to_all.gather((seg_BT, pos_BT))
 
     def one(i, carry):
       out_BTNH, lse_all = carry
-      k, v = _heads(k_BTKH, i * per, per), _heads(v_BTKH, i * per, per)
+      qs, ks = i * per * G, i * per
       if all_to_all is None:
-        out, lse = ring_forward(q_BTNH, k, v, ring_seg, ring_pos, heads=(i * per * G, per * G))
+        q, first = q_BTNH, qs
+        state = parts.init(jax.ShapeDtypeStruct((*q_BTNH.shape[:2], per * G, q_BTNH.shape[3]), q_BTNH.dtype))
       else:
-        q, k, v = all_to_all.to_heads(_heads(q_BTNH, i * per * G, per * G), *all_to_all.replicate(k, v))
-        out, lse = ring_forward(q, k, v, ring_seg, ring_pos)
-        out = all_to_all.to_tokens(out)
-      return (jax.lax.dynamic_update_slice_in_dim(out_BTNH, out, i * per * G, axis=2),
-              jax.lax.dynamic_update_index_in_dim(lse_all, lse, i, axis=0))
+        q, first = all_to_all.to_heads(_heads(q_BTNH, qs, per * G)), None
+        state = parts.init(q)
 
-    q0, k0, v0 = (jax.ShapeDtypeStruct((*x.shape[:2], h, x.shape[3]), x.dtype)
-                  for x, h in ((q_BTNH, per * G), (k_BTKH, per), (v_BTKH, per)))
+      def sub(s, state):
+        chunk = ring_chunk(k_BTKH, v_BTKH, seg_BT, pos_BT, s * C, C, ks, per)
+        return ring_forward(state, q, *chunk, ring_seg, ring_pos, first)
+
+      out, lse = parts.finish(sub(0, state) if subs == 1 else jax.lax.fori_loop(0, subs, sub, state), q_BTNH.dtype)
+      if all_to_all is not None:
+        out = all_to_all.to_tokens(out)
+      return _put(out_BTNH, out, 0, qs), jax.lax.dynamic_update_index_in_dim(lse_all, lse, i, axis=0)
+
+    q0 = jax.ShapeDtypeStruct((*q_BTNH.shape[:2], per * G, q_BTNH.shape[3]), q_BTNH.dtype)
     if all_to_all is not None:
-      q0, k0, v0 = jax.eval_shape(lambda q, k, v: all_to_all.to_heads(q, *all_to_all.replicate(k, v)), q0, k0, v0)
-    lse0 = jax.eval_shape(lambda *a: ring_forward(*a)[1], q0, k0, v0, ring_seg, ring_pos)
+      q0 = jax.eval_shape(all_to_all.to_heads, q0)
+    lse0 = jax.ShapeDtypeStruct((q0.shape[0], q0.shape[2], q0.shape[1]), jnp.float32)
     carry = (jnp.zeros(q_BTNH.shape, q_BTNH.dtype), jnp.zeros((n, *lse0.shape), lse0.dtype))
     return jax.lax.fori_loop(0, passes(n), one, carry)
 
@@ -150,26 +200,38 @@ def ring_attention(parts: Blockwise, axis: str, perm: list[tuple[int, int]], hop
 
   def attend_bwd(res, dout_BTNH):
     q_BTNH, k_BTKH, v_BTKH, seg_BT, pos_BT, out_BTNH, lse_all = res
-    n, per, G = plan(q_BTNH, k_BTKH)
+    n, per, G, subs = plan(q_BTNH, k_BTKH)
+    C = k_BTKH.shape[1] // subs
     ring_seg, ring_pos = (seg_BT, pos_BT) if all_to_all is None else all_to_all.gather((seg_BT, pos_BT))
 
     # rowsum(dO ∘ O) for all heads at once, so a pass needs no slice of the output.
     delta_BNT = parts.delta(out_BTNH, dout_BTNH)
 
     def one(i, grads):
+      dq_full, dk_full, dv_full = grads
       qs, ks = i * per * G, i * per
-      k, v = _heads(k_BTKH, ks, per), _heads(v_BTKH, ks, per)
       if all_to_all is None:
-        dq, dk, dv = ring_backward(q_BTNH, k, v, ring_seg, ring_pos, lse_all[i], delta_BNT, dout_BTNH, first_head=qs)
+        q, dout, delta, first = q_BTNH, dout_BTNH, delta_BNT, qs
       else:
         q, dout = _heads(q_BTNH, qs, per * G), _heads(dout_BTNH, qs, per * G)
         delta_BTN = jnp.swapaxes(jax.lax.dynamic_slice_in_dim(delta_BNT, qs, per * G, axis=1), 1, 2)
-        q, dout, delta, k, v = all_to_all.to_heads(q, dout, delta_BTN[..., None], *all_to_all.replicate(k, v))
-        dq, dk, dv = ring_backward(q, k, v, ring_seg, ring_pos, lse_all[i], jnp.swapaxes(delta[..., 0], 1, 2), dout)
-        dq, dk, dv = all_to_all.to_tokens(dq, dk, dv)
-        dk, dv = all_to_all.unreplicate(dk, dv, per)
-      return tuple(jax.lax.dynamic_update_slice_in_dim(full, part.astype(full.dtype), start, axis=2)
-                   for full, part, start in zip(grads, (dq, dk, dv), (qs, ks, ks)))
+        q, dout, delta = all_to_all.to_heads(q, dout, delta_BTN[..., None])
+        delta, first = jnp.swapaxes(delta[..., 0], 1, 2), None
+      B, N, T = lse_all[i].shape
+
+      def sub(s, carry):
+        dq, dk_full, dv_full = carry
+        chunk = ring_chunk(k_BTKH, v_BTKH, seg_BT, pos_BT, s * C, C, ks, per)
+        dq, dk, dv = ring_backward(dq, q, *chunk, ring_seg, ring_pos, lse_all[i], delta, dout, first)
+        if all_to_all is not None:
+          dk, dv = all_to_all.unreplicate(*all_to_all.to_tokens(dk, dv), per)
+        return dq, _put(dk_full, dk, s * C, ks), _put(dv_full, dv, s * C, ks)
+
+      carry = (jnp.zeros((B, T, N, q_BTNH.shape[3]), jnp.float32), dk_full, dv_full)
+      dq, dk_full, dv_full = sub(0, carry) if subs == 1 else jax.lax.fori_loop(0, subs, sub, carry)
+      if all_to_all is not None:
+        dq = all_to_all.to_tokens(dq)
+      return _put(dq_full, dq, 0, qs), dk_full, dv_full
 
     with jax.named_scope("ring_bwd"):
       grads = (jnp.zeros_like(q_BTNH), jnp.zeros_like(k_BTKH), jnp.zeros_like(v_BTKH))

@@ -1,7 +1,8 @@
 """usp (unified sequence parallelism): the context axis of P devices is cut into R = P / U groups of U adjacent
 devices. Inside a group an all-to-all (ulysses) moves from token to head sharding; across groups the K/V of the
-group's U·T/P tokens travel a ring of R hops (ppermute to the same member of the next group). Fewer, larger ring
-hops than `ring`; smaller all-to-alls than `ulysses`, which keeps them on the fast links of adjacent devices.
+group's U·T/P tokens travel a ring of R hops (ppermute to the same member of the next group; a KV head's tokens go
+in sub-chunks when whole they would outweigh the pass's queries, see `ring`). U× fewer bytes on the ring than
+`ring`; smaller all-to-alls than `ulysses`, which keeps them on the fast links of adjacent devices.
 
 `attention.ulysses_degree` is U; null picks the largest U that divides both the context degree and the KV heads per
 tensor shard (no KV replication needed). U = 1 is the ring, U = P is ulysses.
