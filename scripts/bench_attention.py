@@ -4,6 +4,7 @@ kernel, with the `ringattention` PyPI package (0.1.2) as a baseline row.
   python scripts/bench_attention.py                                  # B=1, T=8192, N=K=8, H=64, causal, f32, context=8
   python scripts/bench_attention.py --strategies ring usp --kernels blockwise --json out.json
   python scripts/bench_attention.py --seq-len 65536 --iters 3 --no-baseline
+  python scripts/bench_attention.py --seq-len 65536 --iters 0 --strategies ring usp   # memory only: compiles, no runs
 
 On a CPU host it fakes `--context` devices (XLA_FLAGS) before JAX starts. Forward+backward is the vjp with a random
 output cotangent; temp memory is its compiled `memory_analysis().temp_size_in_bytes` per device. Timings belong
@@ -39,7 +40,7 @@ def parse_args(argv=None):
   p.add_argument("--block-q", type=int, default=512)
   p.add_argument("--block-kv", type=int, default=512)
   p.add_argument("--load-balance", action="store_true", help="zigzag layout (ours only; the baseline cannot)")
-  p.add_argument("--iters", type=int, default=5)
+  p.add_argument("--iters", type=int, default=5, help="timed calls per function; 0 compiles and prints memory only")
   p.add_argument("--no-baseline", action="store_true")
   p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
   return p.parse_args(argv)
@@ -91,8 +92,9 @@ def main(argv=None) -> list[dict]:
       return jax.vjp(lambda q, kk, v: fn(q, kk, v, seg, pos), q, kk, v)[1](dout)
 
     fwd_bwd = jax.jit(grads).lower(q, kk, v, seg, pos, dout).compile()
-    jax.block_until_ready(fwd(q, kk, v, seg, pos))   # warm up
-    jax.block_until_ready(fwd_bwd(q, kk, v, seg, pos, dout))
+    if args.iters:
+      jax.block_until_ready(fwd(q, kk, v, seg, pos))   # warm up
+      jax.block_until_ready(fwd_bwd(q, kk, v, seg, pos, dout))
     return dict(strategy=label, kernel=kernel, temp_mib=fwd_bwd.memory_analysis().temp_size_in_bytes / 2**20,
                 fns=(fwd, fwd_bwd), times=([], []))
 
@@ -106,15 +108,16 @@ def main(argv=None) -> list[dict]:
           jax.block_until_ready(f(*operands))
           times.append(time.perf_counter() - start)
     for row in rows:
-      row["fwd_ms"], row["fwd_bwd_ms"] = (1e3 * statistics.median(ts) for ts in row.pop("times"))
+      row["fwd_ms"], row["fwd_bwd_ms"] = (1e3 * statistics.median(ts) if ts else None for ts in row.pop("times"))
       del row["fns"]
     base = next((r for r in rows if r["kernel"] == BASELINE_KERNEL), None)
     for row in rows:
       # The target's measure: forward+backward time over the baseline's at the same shape and block sizes.
-      row["fwd_bwd_vs_baseline"] = row["fwd_bwd_ms"] / base["fwd_bwd_ms"] if base else None
-      ratio = f"{row['fwd_bwd_vs_baseline']:.2f}" if base else "—"
-      print(f"{row['strategy']:<22} {row['kernel']:<10} {row['fwd_ms']:>10.1f} {row['fwd_bwd_ms']:>12.1f} "
-            f"{ratio:>12} {row['temp_mib']:>10.1f}", flush=True)
+      row["fwd_bwd_vs_baseline"] = row["fwd_bwd_ms"] / base["fwd_bwd_ms"] if base and args.iters else None
+      ratio, fwd_ms, fwd_bwd_ms = (f"{x:{spec}}" if x is not None else "—" for x, spec in (
+          (row["fwd_bwd_vs_baseline"], ".2f"), (row["fwd_ms"], ".1f"), (row["fwd_bwd_ms"], ".1f")))
+      print(f"{row['strategy']:<22} {row['kernel']:<10} {fwd_ms:>10} {fwd_bwd_ms:>12} {ratio:>12} "
+            f"{row['temp_mib']:>10.1f}", flush=True)
 
   print(f"B={b} T={t} N={n} K={k} H={h} causal {args.dtype} context={args.context} "
         f"load_balance={args.load_balance} block_q={args.block_q} block_kv={args.block_kv} "

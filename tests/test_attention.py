@@ -14,7 +14,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import maxctx.attention as attention
 from maxctx import sharding
-from maxctx.attention import kernels, layout, mask
+from maxctx.attention import kernels, layout, mask, ring
 from maxctx.errors import ConfigError
 
 
@@ -167,6 +167,25 @@ def test_hlo_contains_the_strategy_collectives(strategy, kw, present, absent):
 
 # --- memory ------------------------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("shape, dtype, degree, block_kv, want", [
+    # T=8192 over 8 devices: a head's K/V is 512 KiB, so 4 heads fit a 2 MiB hop and chunks stay whole.
+    ((1024, 8, 8, 64), jnp.float32, 1, None, (2, 4, 1, 1)),
+    # The memory test's ring: one head's 4 MiB hop against 4 MiB of query state → 8 sub-chunks of 1,024 tokens.
+    ((8192, 8, 8, 64), jnp.float32, 1, None, (8, 1, 1, 8)),
+    # Blocks of 4,096 keys allow only 2 sub-chunks of 8,192 tokens: the most the blocks allow.
+    ((8192, 8, 8, 64), jnp.float32, 1, 4096, (8, 1, 1, 2)),
+    # The reference kernel is one block: never split.
+    ((8192, 8, 8, 64), jnp.float32, 1, 2**31 - 1, (8, 1, 1, 1)),
+    # Llama 3.1 8B at 14M tokens on 64 devices, usp over 8: 2 KV heads per pass (8 query heads split 8 ways), copied
+    # 4× for the all-to-all (0.9 GiB a hop whole) against 1.7 GiB of query state → 7 sub-chunks (blocks of 1,024).
+    ((229_376, 32, 8, 128), jnp.bfloat16, 8, 1024, (4, 2, 4, 7)),
+])
+def test_pass_plan_splits_a_head_only_when_its_kv_outweighs_the_queries(shape, dtype, degree, block_kv, want):
+  t, n, k, h = shape
+  q, kv = jax.ShapeDtypeStruct((1, t, n, h), dtype), jax.ShapeDtypeStruct((1, t, k, h), dtype)
+  assert ring.pass_plan(q, kv, degree, block_kv) == want
+
+
 MEM = dict(b=1, t=65_536, n=8, k=8, h=64)
 
 
@@ -310,7 +329,7 @@ def test_cudnn_kernel_wrapper_under_all_gather():
 
 def test_bench_attention_script_reports_every_row(tmp_path):
   """The benchmark script runs end to end at a small shape and writes one JSON row per strategy, with per-device temp
-  memory and both timings (timings are never asserted; only that they were measured)."""
+  memory and both timings (timings are never asserted; only that they were measured), or memory alone."""
   import importlib.util
   import json
   import pathlib
@@ -327,3 +346,11 @@ def test_bench_attention_script_reports_every_row(tmp_path):
   for r in rows:
     assert r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 and r["temp_mib"] > 0
     assert r["fwd_bwd_vs_baseline"] is None   # no baseline row to divide by
+
+  # --iters 0: memory only (compiled, never run), so long shapes can be sized in seconds.
+  bench.main(["--seq-len", "512", "--strategies", "ring", "--iters", "0", "--no-baseline", "--json", str(out)])
+  rows = json.loads(out.read_text())["rows"]
+  assert [r["strategy"] for r in rows] == ["ring"]
+  for r in rows:
+    assert r["fwd_ms"] is None and r["fwd_bwd_ms"] is None and r["fwd_bwd_vs_baseline"] is None
+    assert r["temp_mib"] > 0

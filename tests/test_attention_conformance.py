@@ -156,8 +156,11 @@ def test_fast_bfloat16(strategy_key):
 @pytest.mark.parametrize("strategy_key", ["ring", "usp2"])
 def test_fast_one_kv_head_per_pass(strategy_key, monkeypatch):
   """With a pass budget of one byte every ring pass carries one KV head with its 4 query heads, as at long sequence
-  lengths: passes after the first read q, dout and delta at a head offset. GQA, packed documents, zigzag."""
+  lengths: passes after the first read q, dout and delta at a head offset. Chunks stay whole (K/V may weigh as much
+  as the queries). GQA, packed documents, zigzag."""
   monkeypatch.setattr(ring, "PASS_BYTES", 1)
+  monkeypatch.setattr(ring, "KV_SHARE", 1)
+  assert plan(strategy_key, "gqa4")[0] > 1 and plan(strategy_key, "gqa4")[3] == 1
   check(strategy_key, "ctx8", "gqa4", masks=("packed",), zigzag=(True,))
 
 
@@ -167,12 +170,15 @@ def test_fast_sub_chunked_hops(strategy_key, heads_key, monkeypatch):
   """When one KV head's chunk is too large for a hop (long sequences), each pass sends its tokens round the ring in
   sub-chunks (for USP, each all-to-all'd on its own) and writes dK/dV back at their token offsets. Packed, zigzag."""
   monkeypatch.setattr(ring, "PASS_BYTES", 1)
-  monkeypatch.setattr(ring, "KV_SHARE", 64)
-  strategy, degree = STRATEGIES[strategy_key]
+  assert plan(strategy_key, heads_key)[3] > 1
+  check(strategy_key, "ctx8", heads_key, masks=("packed",), zigzag=(True,))
+
+
+def plan(strategy_key, heads_key):
+  """`ring.pass_plan` for this suite's per-device shapes on context=8."""
   n_heads, kv_heads = HEADS[heads_key]
   local = lambda heads: jax.ShapeDtypeStruct((B, T // 8, heads, H), jnp.float32)  # noqa: E731
-  assert ring.pass_plan(local(n_heads), local(kv_heads), degree or 1, BLOCK)[3] > 1
-  check(strategy_key, "ctx8", heads_key, masks=("packed",), zigzag=(True,))
+  return ring.pass_plan(local(n_heads), local(kv_heads), STRATEGIES[strategy_key][1] or 1, BLOCK)
 
 
 @pytest.mark.slow

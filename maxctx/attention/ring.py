@@ -14,14 +14,14 @@ passes the accumulator on, so after P hops every chunk's gradient arrives home c
 
 Memory: the buffers in flight (K/V arriving, dK/dV leaving) and the kernel's score tiles would not shrink with P if
 all heads travelled at once, so the ring runs in passes over groups of KV heads (with their query heads; USP needs at
-least U query heads per pass): in-flight memory is one group's, and everything else is O(T/P). A group is as many
-KV heads as keep one hop's K and V within `PASS_BYTES`, at least one: long chunks go one head at a time, short ones
-batch heads so that each hop's collectives and kernel calls carry enough work (on the CPU, T = 8192 over 8 devices
-ran 7% faster with 4 heads per pass than with one). When one head's chunk is itself larger, the pass sends it in
-sub-chunks of tokens, each round the whole ring in turn (USP all-to-alls each sub-chunk on its own): the same bytes
-in more, smaller hops, so that K/V in flight stays a small share of the queries' own state (`KV_SHARE`). This is
-what keeps USP's memory near the ring's: its pass holds the all-to-all group's U·T/P tokens of a head, so whole
-hops would carry U× the ring's K/V.
+least U query heads per pass): in-flight memory is one group's (or one sub-chunk of it, below), and everything else
+is O(T/P). A group is as many KV heads as keep one hop's K and V within `PASS_BYTES`, at least one: long chunks go
+one head at a time, short ones batch heads so that each hop's collectives and kernel calls carry enough work (on the
+CPU, T = 8192 over 8 devices ran 7% faster with 4 heads per pass than with one). When even one head is larger and its
+K/V would outweigh a share of the pass's query state (`KV_SHARE`), the pass sends its tokens in sub-chunks, each round
+the whole ring in turn (USP all-to-alls each sub-chunk on its own): the same bytes in more, smaller hops. This is what
+keeps USP's memory near the ring's: its pass holds the all-to-all group's U·T/P tokens, so whole hops would carry U×
+the ring's K/V.
 
 `ring_attention` works on any cycle of the axis, so USP reuses it across its groups.
 """
@@ -40,18 +40,21 @@ from maxctx.attention.ulysses import AllToAll, kv_replication
 # The most bytes of K and V (as given, before any USP replication) that one hop of a pass may carry, unless a single
 # KV head needs more. The backward's hops also carry float32 dK/dV: up to 3× this for bfloat16 K/V.
 PASS_BYTES = 2 * 2**20
-# When a single KV head's chunk exceeds PASS_BYTES, its tokens travel in sub-chunks of at most 1/KV_SHARE of the
-# pass's query-side bytes (its queries and their float32 numerator): K/V in flight (the sub-chunk computed on and the
-# one arriving) then stays within a quarter of the state the queries need anyway.
+# When a single KV head's chunk exceeds PASS_BYTES, its tokens travel in sub-chunks whose hop carries at most
+# 1/KV_SHARE of the pass's query-side bytes (its queries and their float32 numerator), where the kernel's key blocks
+# allow: K/V in flight (the sub-chunk computed on and the one arriving) then stays within a quarter of the state the
+# queries need anyway.
 KV_SHARE = 8
 
 
 def pass_plan(q_BTNH, k_BTKH, degree: int = 1, block_kv: int | None = None):
   """(passes, KV heads per pass, query heads per KV head, sub-chunks per hop) for local q and K shaped like these,
-  under an all-to-all of `degree` (USP; 1 is the ring). A pass takes the most KV heads whose K and V stay within
-  `PASS_BYTES` per hop, or else the fewest; either way a divisor of K whose query heads the all-to-all splits. When
-  even the fewest exceed it, the local tokens travel in the fewest sub-chunks that carry at most 1/`KV_SHARE` of the
-  pass's query-side bytes per hop, cut on the kernel's key blocks (`block_kv`)."""
+  under an all-to-all of `degree` (USP; 1 is the ring). A pass takes the most KV heads whose K and V (as given)
+  stay within `PASS_BYTES` per hop, or else the fewest; either way a divisor of K whose query heads the all-to-all
+  splits. When even the fewest exceed it, the local tokens travel in the fewest sub-chunks whose hop (K and V as
+  carried, after USP's KV head copies) is at most 1/`KV_SHARE` of the pass's query-side bytes; a sub-chunk must be a
+  whole number of the kernel's key blocks (`block_kv`; fit as the kernel fits it to the unsplit chunk), and when no
+  count reaches the share the most that the blocks allow is taken (the `reference` kernel's one block: none)."""
   N, K = q_BTNH.shape[2], k_BTKH.shape[2]
   G = N // K
   valid = [d for d in range(1, K + 1) if K % d == 0 and d * G % degree == 0]
@@ -73,10 +76,6 @@ def _heads(x, start, size):
   return jax.lax.dynamic_slice_in_dim(x, start, size, axis=2)
 
 
-def _tokens(x, start, size):
-  return jax.lax.dynamic_slice_in_dim(x, start, size, axis=1)
-
-
 def _block(x_BTKH, token, tokens, head, heads):
   """Tokens [token, token + tokens) of heads [head, head + heads): one slice, no intermediate copy of either."""
   B, _, _, H = x_BTKH.shape
@@ -93,23 +92,29 @@ def ring_attention(parts: Blockwise, axis: str, perm: list[tuple[int, int]], hop
   """Per-device fn(q, k, v, segment_ids, positions) -> out: the local queries attend to the K/V of all `hops`
   devices on the cycle `perm` of `axis` (each device's queries and K/V share its segment ids and positions).
 
-  With `all_to_all` (USP), each pass first moves its heads from token to head sharding inside the all-to-all
-  groups, runs the ring over the groups, and moves the output back; the backward does the same with the gradients.
+  With `all_to_all` (USP), each pass first moves its queries from token to head sharding inside the all-to-all
+  groups, then each sub-chunk of its K/V the same way before that sub-chunk's ring over the groups, and moves the
+  output back; the backward does the same with the gradients.
   """
   degree = all_to_all.degree if all_to_all else 1
 
   def send(x):
     return jax.lax.ppermute(x, axis, perm)
 
-  def ring_chunk(k_BTKH, v_BTKH, seg_BT, pos_BT, start, size, head, heads):
-    """Tokens [start, start + size) of the local K/V's heads [head, head + heads), with their ids, as the ring
-    carries them (USP: all-to-all'd to head sharding)."""
+  def group_ids(seg_BT, pos_BT):
+    """(segment ids, positions of the queries as the kernel sees them, the same stacked [2, B, degree, T] by group
+    member): USP's all-to-all concatenates the members' tokens in member order, and so does its gather."""
+    ring_seg, ring_pos = (seg_BT, pos_BT) if all_to_all is None else all_to_all.gather((seg_BT, pos_BT))
+    return ring_seg, ring_pos, jnp.stack([ring_seg, ring_pos]).reshape(2, seg_BT.shape[0], degree, -1)
+
+  def ring_chunk(k_BTKH, v_BTKH, ids_2BUT, start, size, head, heads):
+    """Tokens [start, start + size) of the local K/V's heads [head, head + heads) as the ring carries them (USP:
+    all-to-all'd to head sharding), with their ids taken from `group_ids`."""
     k_BCKH, v_BCKH = _block(k_BTKH, start, size, head, heads), _block(v_BTKH, start, size, head, heads)
-    seg_BC, pos_BC = _tokens(seg_BT, start, size), _tokens(pos_BT, start, size)
-    if all_to_all is None:
-      return k_BCKH, v_BCKH, jnp.stack([seg_BC, pos_BC])
-    k_BCKH, v_BCKH = all_to_all.to_heads(*all_to_all.replicate(k_BCKH, v_BCKH))
-    return k_BCKH, v_BCKH, jnp.stack(all_to_all.gather((seg_BC, pos_BC)))
+    if all_to_all is not None:
+      k_BCKH, v_BCKH = all_to_all.to_heads(*all_to_all.replicate(k_BCKH, v_BCKH))
+    ids_2BUC = jax.lax.dynamic_slice_in_dim(ids_2BUT, start, size, axis=3)
+    return k_BCKH, v_BCKH, ids_2BUC.reshape(*ids_2BUC.shape[:2], degree * size)
 
   # K and V travel as two arrays, not stacked: the kernel's loops take each as an operand, and slices of a stack
   # made XLA copy both out of it on every hop. Segment ids and positions travel stacked (they are small).
@@ -161,7 +166,7 @@ def ring_attention(parts: Blockwise, axis: str, perm: list[tuple[int, int]], hop
   def forward(q_BTNH, k_BTKH, v_BTKH, seg_BT, pos_BT):
     n, per, G, subs = plan(q_BTNH, k_BTKH)
     C = k_BTKH.shape[1] // subs
-    ring_seg, ring_pos = (seg_BT, pos_BT) if all_to_all is None else all_to_all.gather((seg_BT, pos_BT))
+    ring_seg, ring_pos, ids_2BUT = group_ids(seg_BT, pos_BT)
 
     def one(i, carry):
       out_BTNH, lse_all = carry
@@ -174,7 +179,7 @@ def ring_attention(parts: Blockwise, axis: str, perm: list[tuple[int, int]], hop
         state = parts.init(q)
 
       def sub(s, state):
-        chunk = ring_chunk(k_BTKH, v_BTKH, seg_BT, pos_BT, s * C, C, ks, per)
+        chunk = ring_chunk(k_BTKH, v_BTKH, ids_2BUT, s * C, C, ks, per)
         return ring_forward(state, q, *chunk, ring_seg, ring_pos, first)
 
       out, lse = parts.finish(sub(0, state) if subs == 1 else jax.lax.fori_loop(0, subs, sub, state), q_BTNH.dtype)
@@ -202,7 +207,7 @@ def ring_attention(parts: Blockwise, axis: str, perm: list[tuple[int, int]], hop
     q_BTNH, k_BTKH, v_BTKH, seg_BT, pos_BT, out_BTNH, lse_all = res
     n, per, G, subs = plan(q_BTNH, k_BTKH)
     C = k_BTKH.shape[1] // subs
-    ring_seg, ring_pos = (seg_BT, pos_BT) if all_to_all is None else all_to_all.gather((seg_BT, pos_BT))
+    ring_seg, ring_pos, ids_2BUT = group_ids(seg_BT, pos_BT)
 
     # rowsum(dO ∘ O) for all heads at once, so a pass needs no slice of the output.
     delta_BNT = parts.delta(out_BTNH, dout_BTNH)
@@ -221,7 +226,7 @@ def ring_attention(parts: Blockwise, axis: str, perm: list[tuple[int, int]], hop
 
       def sub(s, carry):
         dq, dk_full, dv_full = carry
-        chunk = ring_chunk(k_BTKH, v_BTKH, seg_BT, pos_BT, s * C, C, ks, per)
+        chunk = ring_chunk(k_BTKH, v_BTKH, ids_2BUT, s * C, C, ks, per)
         dq, dk, dv = ring_backward(dq, q, *chunk, ring_seg, ring_pos, lse_all[i], delta, dout, first)
         if all_to_all is not None:
           dk, dv = all_to_all.unreplicate(*all_to_all.to_tokens(dk, dv), per)

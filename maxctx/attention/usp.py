@@ -1,8 +1,10 @@
 """usp (unified sequence parallelism): the context axis of P devices is cut into R = P / U groups of U adjacent
 devices. Inside a group an all-to-all (ulysses) moves from token to head sharding; across groups the K/V of the
-group's U·T/P tokens travel a ring of R hops (ppermute to the same member of the next group; a KV head's tokens go
-in sub-chunks when whole they would outweigh the pass's queries, see `ring`). U× fewer bytes on the ring than
-`ring`; smaller all-to-alls than `ulysses`, which keeps them on the fast links of adjacent devices.
+group's U·T/P tokens travel a ring of R hops (ppermute to the same member of the next group; in sub-chunks of
+tokens when a KV head's whole chunk would outweigh a share of the pass's query state, see `ring`). About r/U of the
+ring's bytes on the ring, r being the copies of each KV head the all-to-all needs (1 when the KV heads of a pass
+split U ways; Llama 3.1 8B at U=8 takes passes of 2 KV heads, so r=4: half the ring's bytes); smaller all-to-alls
+than `ulysses`, which keeps them on the fast links of adjacent devices.
 
 `attention.ulysses_degree` is U; null picks the largest U that divides both the context degree and the KV heads per
 tensor shard (no KV replication needed). U = 1 is the ring, U = P is ulysses.
