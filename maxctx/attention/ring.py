@@ -102,8 +102,9 @@ def ring_attention(parts: Blockwise, axis: str, perm: list[tuple[int, int]], hop
     return jax.lax.ppermute(x, axis, perm)
 
   def group_ids(seg_BT, pos_BT):
-    """(segment ids, positions of the queries as the kernel sees them, the same stacked [2, B, degree, T] by group
-    member): USP's all-to-all concatenates the members' tokens in member order, and so does its gather."""
+    """The queries' segment ids and positions as the kernel sees them (USP: the group's, gathered), and the two
+    stacked as [2, B, degree, T] by group member, for `ring_chunk` to slice a sub-chunk's from: the all-to-all
+    concatenates the members' tokens in member order, as the gather does."""
     ring_seg, ring_pos = (seg_BT, pos_BT) if all_to_all is None else all_to_all.gather((seg_BT, pos_BT))
     return ring_seg, ring_pos, jnp.stack([ring_seg, ring_pos]).reshape(2, seg_BT.shape[0], degree, -1)
 
