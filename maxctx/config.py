@@ -194,7 +194,8 @@ def _read_yaml(path: pathlib.Path) -> dict[str, Any]:
   except yaml.YAMLError as e:
     where = getattr(e, "problem_mark", None)
     line = f" line {where.line + 1}" if where else ""
-    raise ConfigError(f"config file {path}{line} is not valid YAML ({getattr(e, 'problem', e)}); fix the syntax.") from None
+    problem = getattr(e, "problem", e)
+    raise ConfigError(f"config file {path}{line} is not valid YAML ({problem}); fix the syntax.") from None
   if tree is None:
     return {}
   if not isinstance(tree, dict):

@@ -104,9 +104,10 @@ def resolve(name: str) -> Topology:
     shape = default_shape(count // gen.cores_per_chip, gen.dims)
     if not shape:
       smallest = default_shape(4 if gen.dims == 3 else 1, gen.dims)
-      raise ConfigError(f"TPU type {name!r} has no standard slice shape; use a power of two of at least "
-                        f"{math.prod(smallest) * gen.cores_per_chip} ({gen.prefix}-{math.prod(smallest) * gen.cores_per_chip}"
-                        f", ...) or name the shape, e.g. {gen.prefix}:{'x'.join(map(str, smallest))}.")
+      least = math.prod(smallest) * gen.cores_per_chip
+      raise ConfigError(f"TPU type {name!r} has no standard slice shape; use a power of two of at least {least} "
+                        f"({gen.prefix}-{least}, ...) or name the shape, e.g. "
+                        f"{gen.prefix}:{'x'.join(map(str, smallest))}.")
     return Topology(name, gen, shape)
   if m := re.fullmatch(r"([a-z0-9-]+):(\d+(?:x\d+)+)", name):
     gen = _generation(m.group(1), name)

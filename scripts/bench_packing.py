@@ -4,10 +4,10 @@
   python scripts/bench_packing.py --seq-len 1048576 --sequences 16 --json out.json
 
 Documents are pre-tokenized views into one random token pool (what a tokenizer's output looks like to the packer):
-lengths are log-normal around 8K tokens (σ = 1.5), and 0.01% are 0.5–2 sequences long so that splitting is exercised. Each method
-runs in a fresh process pinned to one core, so its peak RSS (getrusage) is its own; the ratio is peak RSS (jax and
-grain imports included) over the bytes of one packed sequence's four int32 arrays. Target: ≥ 50M tokens/s, ratio ≤ 4;
-the rate is judged per CPU-second, wall-clock is shown too.
+lengths are log-normal around 8K tokens (σ = 1.5), and 0.01% are 0.5–2 sequences long so that splitting is exercised.
+Each method runs in a fresh process pinned to one core, so its peak RSS (getrusage) is its own; the ratio is peak RSS
+(jax and grain imports included) over the bytes of one packed sequence's four int32 arrays. Target: ≥ 50M tokens/s,
+ratio ≤ 4; the rate is judged per CPU-second, wall-clock is shown too.
 """
 
 from __future__ import annotations
@@ -64,7 +64,8 @@ def run_one(method: str, seq_len: int, sequences: int) -> dict:
   peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
   return {
       "method": method, "seq_len": seq_len, "sequences": sequences, "seconds": seconds, "cpu_seconds": cpu_seconds,
-      "tokens_per_s": sequences * seq_len / seconds, "tokens_per_cpu_s": sequences * seq_len / cpu_seconds, "fill": real / (sequences * seq_len),
+      "tokens_per_s": sequences * seq_len / seconds, "tokens_per_cpu_s": sequences * seq_len / cpu_seconds,
+      "fill": real / (sequences * seq_len),
       "bins": packing.default_bins(seq_len), "output_bytes": out_bytes, "peak_rss_bytes": peak,
       "rss_ratio": peak / out_bytes,
   }

@@ -46,7 +46,8 @@ class SafetensorsDir(Mapping):
       weight_map = json.loads(index.read_text())["weight_map"]
       files = sorted(set(weight_map.values()))
     else:
-      files = [SINGLE_FILE] if (directory / SINGLE_FILE).exists() else sorted(p.name for p in directory.glob("*.safetensors"))
+      files = ([SINGLE_FILE] if (directory / SINGLE_FILE).exists()
+               else sorted(p.name for p in directory.glob("*.safetensors")))
       weight_map = None
     if not files:
       raise CheckpointError(f"{directory} holds no *.safetensors files; save the HF model with "

@@ -64,7 +64,8 @@ def test_collective_counts_reads_async_pairs_once_and_scopes():
       '  %ar = f32[] all-reduce(f32[] %y), to_apply=%add, metadata={op_name="jit(f)/train_step/all-to-all("}',
   ])
   counts = compile_lib.collective_counts(hlo)
-  assert (counts["all-gather"], counts["collective-permute"], counts["all-reduce"], counts["all-to-all"]) == (1, 1, 1, 0)
+  kinds = ("all-gather", "collective-permute", "all-reduce", "all-to-all")
+  assert tuple(counts[kind] for kind in kinds) == (1, 1, 1, 0)
   scoped = compile_lib.collective_counts(hlo, "attention")
   assert (scoped["all-gather"], scoped["collective-permute"], scoped["all-reduce"]) == (1, 1, 0)
 

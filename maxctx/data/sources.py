@@ -47,7 +47,8 @@ def expand(path_spec: str) -> list[str]:
     else:
       found = [p] if os.path.isfile(p) else []
     if not found:
-      what = "matches no files" if glob.has_magic(p) else "is an empty directory" if os.path.isdir(p) else "does not exist"
+      what = ("matches no files" if glob.has_magic(p) else "is an empty directory" if os.path.isdir(p)
+              else "does not exist")
       raise DataError(f"data.path {part!r} {what} (relative paths are from {os.getcwd()}); check the path or pattern.")
     files += found
   return files
@@ -286,6 +287,7 @@ def open_source(data, has_tokenizer: bool):
   elif data.source == "tfds":
     src = Tfds(data.path, data.text_field, not has_tokenizer, bad)
   else:
-    raise ConfigError(f"data.source {data.source!r} is not one of synthetic, passkey, stdlib, text, jsonl, arrayrecord, tfds.")
+    raise ConfigError(f"data.source {data.source!r} is not one of synthetic, passkey, stdlib, text, jsonl, "
+                      "arrayrecord, tfds.")
   log.info("data.source=%s: %d documents (indexed in %.1fs)", data.source, len(src), time.monotonic() - start)
   return src, bad

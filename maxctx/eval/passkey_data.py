@@ -4,9 +4,10 @@ A row is one passkey example of exactly seq_len + 1 tokens (seq_len (token, targ
 at a uniformly random depth, or, for a fraction `COPY_FRACTION` of rows, a copy drill: a random run of tokens said
 twice. Retrieval needs induction heads (find the earlier occurrence of the current context, copy what followed), and a
 passkey example has only ~10 tokens whose loss rewards them; the drills reward them on half their tokens, so a tiny
-model forms them in minutes instead of hours, and the passkey rows then teach it what to look up. Row r of batch i is a pure function of (seed, i, r) like maxctx.data.synthetic's rows, so a
-process makes only its rows and resuming reproduces the data. Training examples use seeds the evaluation never uses
-(`TRAIN_SALT`), so the demo's accuracy is measured on passkeys the model has not seen.
+model forms them in minutes instead of hours, and the passkey rows then teach it what to look up. Row r of batch i is a
+pure function of (seed, i, r) like maxctx.data.synthetic's rows, so a process makes only its rows and resuming
+reproduces the data. Training examples use seeds the evaluation never uses (`TRAIN_SALT`), so the demo's accuracy is
+measured on passkeys the model has not seen.
 """
 
 from __future__ import annotations

@@ -49,12 +49,14 @@ def markdown(records: Sequence[dict], title: str) -> str:
     for i, d in enumerate(depths):
       lines.append(f"| {d:g} | " + " | ".join(f"{100 * a:.0f}" for a in acc[i]) + " |")
     by_len = [[r for r in rs if r["length"] == n] for n in lengths]
-    lines.append("| **all** | " + " | ".join(f"**{100 * np.mean([r['correct'] for r in g]):.0f}**" for g in by_len) + " |")
+    lines.append("| **all** | " + " | ".join(f"**{100 * np.mean([r['correct'] for r in g]):.0f}**" for g in by_len)
+                 + " |")
     lines.append("| log p/token | " + " | ".join(f"{np.mean([r['logprob'] for r in g]):.3f}" for g in by_len) + " |")
     lines.append("")
   files = _tasks(records, generated=False)
   if files:
-    lines += ["## task files", "", "| file | records | accuracy (%) | log p/token | mean tokens |", "|---|---:|---:|---:|---:|"]
+    lines += ["## task files", "", "| file | records | accuracy (%) | log p/token | mean tokens |",
+              "|---|---:|---:|---:|---:|"]
     for task in files:
       rs = [r for r in records if r["task"] == task]
       lines.append(f"| {task} | {len(rs)} | {100 * np.mean([r['correct'] for r in rs]):.0f} | "

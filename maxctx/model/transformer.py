@@ -149,7 +149,8 @@ class Transformer(nn.Module):
   def __call__(self, tokens_BT, segment_ids_BT, positions_BT, targets_BT=None):
     c = self.cfg
     attention_fn = self.attention_fn or reference_attention
-    embedding = self.param("embedding", nn.with_logical_partitioning(nn.initializers.normal(c.init_std), ("vocab", "embed")),
+    embedding = self.param("embedding",
+                           nn.with_logical_partitioning(nn.initializers.normal(c.init_std), ("vocab", "embed")),
                            (c.vocab_size, c.d_model), _dtype(c.param_dtype))
     with jax.named_scope("embed"):
       table_VD = constrain(embedding.astype(_dtype(c.dtype)), ("act_vocab", "act_embed"))
