@@ -68,13 +68,13 @@ def validate(config: Config, num_devices: int, num_slices: int = 1, platform: st
     raise ConfigError(f"model.mlp_chunk is {m.mlp_chunk}; it must be a number of tokens, or 0 for the whole "
                       "sequence at once.")
   local = d.seq_len // sizes["context"]
-  if 0 < m.mlp_chunk < local:
-    # The MLP's steps must split the device's tokens evenly; a chunk far below the one asked for would mean many
-    # more sequential steps than intended.
-    used = loss_lib.divisor_at_most(m.mlp_chunk, local)
-    if 2 * used <= m.mlp_chunk:
-      raise ConfigError(f"model.mlp_chunk {m.mlp_chunk} does not divide the {local} tokens per device and would run "
-                        f"as steps of {used}; choose a divisor of {local}.")
+  for key, chunk in (("model.loss_chunk", m.loss_chunk), ("model.mlp_chunk", m.mlp_chunk)):
+    # The loss's and the MLP's steps must split the device's tokens evenly; a chunk far below the one asked for would
+    # mean many more sequential steps than intended.
+    used = loss_lib.divisor_at_most(chunk, local)
+    if 0 < chunk < local and 2 * used <= chunk:
+      raise ConfigError(f"{key} {chunk} does not divide the {local} tokens per device and would run as steps of "
+                        f"{used}; choose a divisor of {local}.")
   attention.validate(config.attention.strategy, attention.Problem(
       context=sizes["context"], tensor=sizes["tensor"], n_heads=m.n_heads, n_kv_heads=m.n_kv_heads,
       seq_len=d.seq_len, kernel=config.attention.kernel, load_balance=config.attention.load_balance,
