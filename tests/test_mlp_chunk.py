@@ -53,13 +53,16 @@ def test_chunked_mlp_holds_one_step_of_activations():
   assert chunked < one_activation, f"chunked MLP temp {chunked / 2**20:.0f} MiB (plain {plain / 2**20:.0f} MiB)"
 
 
-def test_an_mlp_chunk_far_from_a_divisor_is_refused():
+@pytest.mark.parametrize("key", ["model.mlp_chunk", "model.loss_chunk"])
+def test_a_chunk_far_from_a_divisor_is_refused(key):
+  """The MLP's and the loss's steps split the tokens per device evenly; a chunk that would run as steps of half of
+  what was asked or less is refused before compiling, rather than silently running many more steps."""
   from maxctx import trainer
   from maxctx.errors import ConfigError
   c = config.load("configs/demo.yml", ["mesh.ici.fsdp=1", "mesh.ici.context=8", "data.seq_len=1016",
-                                       "attention.load_balance=false", "model.mlp_chunk=100"])   # 127 per device
-  with pytest.raises(ConfigError, match="model.mlp_chunk 100 does not divide the 127 tokens per device and would "
+                                       "attention.load_balance=false", f"{key}=100"])   # 127 per device
+  with pytest.raises(ConfigError, match=f"{key} 100 does not divide the 127 tokens per device and would "
                                         "run as steps of 1; choose a divisor of 127"):
     trainer.validate(c, 8)
   # 128 tokens per device: 30 runs as steps of 16, more than half of what was asked, so it is accepted.
-  trainer.validate(config.load("configs/demo.yml", ["model.mlp_chunk=30"]), 8)
+  trainer.validate(config.load("configs/demo.yml", [f"{key}=30"]), 8)

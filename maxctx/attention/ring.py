@@ -168,16 +168,19 @@ def ring_attention(parts: Blockwise, axis: str, perm: list[tuple[int, int]], hop
     n, per, G, subs = plan(q_BTNH, k_BTKH)
     C = k_BTKH.shape[1] // subs
     ring_seg, ring_pos, ids_2BUT = group_ids(seg_BT, pos_BT)
+    # The queries one pass attends, as the kernel sees them (USP: after the all-to-all); only the shape is used.
+    pass_q = jax.ShapeDtypeStruct((*q_BTNH.shape[:2], per * G, q_BTNH.shape[3]), q_BTNH.dtype)
+    if all_to_all is not None:
+      pass_q = jax.eval_shape(all_to_all.to_heads, pass_q)
 
     def one(i, carry):
       out_BTNH, lse_all = carry
       qs, ks = i * per * G, i * per
       if all_to_all is None:
         q, first = q_BTNH, qs
-        state = parts.init(jax.ShapeDtypeStruct((*q_BTNH.shape[:2], per * G, q_BTNH.shape[3]), q_BTNH.dtype))
       else:
         q, first = all_to_all.to_heads(_heads(q_BTNH, qs, per * G)), None
-        state = parts.init(q)
+      state = parts.init(pass_q)
 
       def sub(s, state):
         chunk = ring_chunk(k_BTKH, v_BTKH, ids_2BUT, s * C, C, ks, per)
@@ -188,11 +191,8 @@ def ring_attention(parts: Blockwise, axis: str, perm: list[tuple[int, int]], hop
         out = all_to_all.to_tokens(out)
       return _put(out_BTNH, out, 0, qs), jax.lax.dynamic_update_index_in_dim(lse_all, lse, i, axis=0)
 
-    q0 = jax.ShapeDtypeStruct((*q_BTNH.shape[:2], per * G, q_BTNH.shape[3]), q_BTNH.dtype)
-    if all_to_all is not None:
-      q0 = jax.eval_shape(all_to_all.to_heads, q0)
-    lse0 = jax.ShapeDtypeStruct((q0.shape[0], q0.shape[2], q0.shape[1]), jnp.float32)
-    carry = (jnp.zeros(q_BTNH.shape, q_BTNH.dtype), jnp.zeros((n, *lse0.shape), lse0.dtype))
+    B, T, N, _ = pass_q.shape
+    carry = (jnp.zeros(q_BTNH.shape, q_BTNH.dtype), jnp.zeros((n, B, N, T), jnp.float32))   # out, every pass's lse
     return jax.lax.fori_loop(0, passes(n), one, carry)
 
   @jax.custom_vjp
