@@ -1,20 +1,38 @@
 # make train: install into .venv and train the demo on 8 fake CPU devices.
-# make test: install the test and tpu extras (libtpu lets tests compile for TPU topologies here) and run every test.
-PYTHON ?= python3
+# make test: install the test and tpu extras (libtpu lets tests compile for TPU topologies here) and run every test,
+# then the fast subset again on the oldest releases pyproject.toml admits (constraints/lower.txt, in .venv-lower).
+# Installs take the releases CI tested (constraints/current.txt); pyproject.toml itself states ranges.
+#
+# jax >= 0.11 needs Python >= 3.12: PYTHON is the first interpreter new enough (pyenv's too, where `python3` is older).
+PYTHON ?= $(shell for p in python3 python3.13 python3.12 $$HOME/.pyenv/versions/3.1[2-9]*/bin/python3; do \
+  $$p -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null && { command -v $$p; exit; }; done)
 VENV := .venv
 PY := $(VENV)/bin/python
+LOWER := .venv-lower
 CPU8 := XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu
+NEW_ENOUGH := -c 'import sys; sys.exit(sys.version_info < (3, 12))'
 
-.PHONY: train test test-fast install install-test clean
+.PHONY: train test test-fast test-lower install install-test clean python
 
-$(VENV)/.base: pyproject.toml
-	$(PYTHON) -m venv $(VENV)
+python:
+	@test -n "$(PYTHON)" || { echo "error: maxctx needs Python >= 3.12 (jax >= 0.11 does) and none was found;" \
+	  "install one or pass PYTHON=/path/to/python3.12" >&2; exit 2; }
+
+# A venv from an older Python (or none) is made anew; an existing one of the right Python is updated in place.
+$(VENV)/.base: pyproject.toml constraints/current.txt | python
+	$(PY) $(NEW_ENOUGH) 2>/dev/null || $(PYTHON) -m venv --clear $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e .
+	$(PY) -m pip install --quiet -c constraints/current.txt -e .
 	touch $@
 
 $(VENV)/.test: $(VENV)/.base
-	$(PY) -m pip install --quiet -e '.[test,tpu]'
+	$(PY) -m pip install --quiet -c constraints/current.txt -e '.[test,tpu]'
+	touch $@
+
+$(LOWER)/.test: pyproject.toml constraints/lower.txt | python
+	$(LOWER)/bin/python $(NEW_ENOUGH) 2>/dev/null || $(PYTHON) -m venv --clear $(LOWER)
+	$(LOWER)/bin/python -m pip install --quiet --upgrade pip
+	$(LOWER)/bin/python -m pip install --quiet -c constraints/lower.txt -e '.[test]'
 	touch $@
 
 install: $(VENV)/.base
@@ -23,11 +41,16 @@ install-test: $(VENV)/.test
 train: $(VENV)/.base
 	$(CPU8) $(PY) -m maxctx.train configs/demo.yml $(ARGS)
 
-test: $(VENV)/.test
+test: $(VENV)/.test $(LOWER)/.test
 	$(CPU8) $(PY) -m pytest -q -n 2 tests $(ARGS)
+	$(MAKE) --no-print-directory test-lower
 
 test-fast: $(VENV)/.test
 	$(CPU8) $(PY) -m pytest -q -m "not slow" tests $(ARGS)
 
+# The oldest supported releases, fast subset: the GPU images that ship jax 0.11 run maxctx unchanged.
+test-lower: $(LOWER)/.test
+	$(CPU8) $(LOWER)/bin/python -m pytest -q -n 2 -m "not slow" tests $(ARGS)
+
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) $(LOWER) runs
