@@ -27,6 +27,8 @@ from typing import Any, Callable
 
 import yaml
 
+from maxctx import hlo as hlo_lib
+from maxctx import scopes
 from maxctx import topology as topology_lib
 from maxctx.errors import ConfigError, MaxctxError
 
@@ -37,10 +39,6 @@ USAGE = ("usage: python -m maxctx.compile CONFIG.yml [compile.topology=tpu7x-128
 GIB = topology_lib.GIB
 NO_CRASH_ON_OOM = "--xla_tpu_no_crash_on_oom=true"
 
-# Collective kinds as the compiled HLO names them; an async pair (`-start` / `-done`) counts once.
-COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute",
-               "collective-broadcast", "ragged-all-to-all")
-_COLLECTIVE_RE = re.compile(r"\s(" + "|".join(sorted(COLLECTIVES, key=len, reverse=True)) + r")(-start)?\(")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,17 +152,6 @@ def abstract_args(trainer, config) -> tuple[Any, dict[str, Any]]:
   return state, batch
 
 
-def collective_counts(hlo_text: str, scope: str | None = None) -> dict[str, int]:
-  """How many instructions of each collective kind the compiled HLO holds (a loop body's count once); with `scope`,
-  only those whose source op ran inside `jax.named_scope(scope)`."""
-  counts = dict.fromkeys(COLLECTIVES, 0)
-  for line in hlo_text.splitlines():
-    op, _, metadata = line.partition(", metadata=")
-    if (m := _COLLECTIVE_RE.search(op)) and (scope is None or f"/{scope}/" in metadata):
-      counts[m.group(1)] += 1
-  return counts
-
-
 _OOM_TOTAL = re.compile(r"memory required for [^(]*\(([\d.]+)([KMGT]?)\) exceeds available HBM \(([\d.]+)([KMGT]?)\)")
 _OOM_ALLOC = re.compile(r"Allocation \(size=(\d+)\) would exceed memory \(size=(\d+)\)")
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
@@ -198,7 +185,7 @@ def compile_for(config, options: CompileOptions,
   mesh = mesh_lib.build_mesh(config.mesh, devices)
   m, d = config.model, config.data
   flops = metrics_lib.flops_per_step(m, d.batch_size, d.seq_len)
-  peak_tflops = dict(metrics_lib.PEAK_TFLOPS_PER_DEVICE).get(topo.generation.device_kind, 0.0)
+  peak_tflops = topo.generation.chip.tflops_per_device
   report: dict[str, Any] = {
       "config": config.run.name, "topology": topo.name, "libtpu_topology": topo.libtpu_name,
       "num_slices": options.num_slices, "devices": n, "chips": topo.chips * options.num_slices,
@@ -249,10 +236,10 @@ def compile_for(config, options: CompileOptions,
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   report.update(memory=memory, fits=memory["total"] <= topo.hbm_bytes,
                 over_bytes=max(0, memory["total"] - topo.hbm_bytes),
-                compiler_flops=(cost or {}).get("flops"), collectives=collective_counts(hlo),
+                compiler_flops=(cost or {}).get("flops"), collectives=hlo_lib.instruction_counts(hlo),
                 # The model's `attention` scope holds the strategy's own communication; the rest is ZeRO-3's
                 # parameter all-gathers and gradient reduce-scatters.
-                attention_collectives=collective_counts(hlo, "attention"))
+                attention_collectives=hlo_lib.instruction_counts(hlo, scopes.ATTENTION))
   if inspect is not None:
     report.update(inspect(compiled))
   return report

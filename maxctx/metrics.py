@@ -15,28 +15,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from maxctx import chips
 from maxctx.config import ModelConfig
 
 log = logging.getLogger("maxctx")
-
-# Dense bf16 peak TFLOP/s per JAX device, by a substring of `device.device_kind` (first match wins).
-# TPU v7 (Ironwood) has 2,307 per chip and two devices per chip; v4 and v5p present one device per chip (megacore).
-PEAK_TFLOPS_PER_DEVICE: tuple[tuple[str, float], ...] = (
-    ("TPU7x", 2307.0 / 2),
-    ("TPU v7", 2307.0 / 2),
-    ("TPU v6 lite", 918.0),
-    ("TPU v6e", 918.0),
-    ("TPU v5 lite", 197.0),
-    ("TPU v5e", 197.0),
-    ("TPU v5p", 459.0),
-    ("TPU v5", 459.0),
-    ("TPU v4", 275.0),
-    ("H200", 989.0),
-    ("H100", 989.0),
-    ("B200", 2250.0),
-    ("A100", 312.0),
-)
-
 
 def matmul_params(cfg: ModelConfig) -> int:
   """Weights that take part in a matmul per token: every projection and the head (not the embedding lookup)."""
@@ -78,9 +60,8 @@ def peak_tflops_per_device(override: float = 0.0, compute_dtype=jnp.bfloat16) ->
   if override > 0:
     return override, "metrics.peak_tflops"
   kind = jax.devices()[0].device_kind
-  for key, peak in PEAK_TFLOPS_PER_DEVICE:
-    if key.lower() in kind.lower():
-      return peak, f"table ({kind})"
+  if chip := chips.for_device_kind(kind):
+    return chip.tflops_per_device, f"table ({kind})"
   if jax.default_backend() == "cpu":
     return measured_cpu_peak_tflops(compute_dtype), "measured matmul on this CPU"
   log.warning("no peak FLOP/s known for device kind %r; MFU is reported as 0 (set metrics.peak_tflops).", kind)

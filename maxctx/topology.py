@@ -12,6 +12,7 @@ import difflib
 import math
 import re
 
+from maxctx import chips as chips_lib
 from maxctx.errors import ConfigError
 
 GIB = 2**30
@@ -22,20 +23,25 @@ class Generation:
   prefix: str             # the GKE/XPK name prefix: v5p, tpu7x, ...
   libtpu: str             # the name libtpu's topology descriptions use
   cores_per_chip: int     # what the number in `<prefix>-N` counts per chip
-  devices_per_chip: int   # JAX devices per chip
   dims: int               # 3-D torus (v4, v5p, v7) or 2-D (v5e, v6e)
-  hbm_gib: float          # HBM per JAX device that programs may use, as libtpu reports it ("available HBM")
   device_kind: str        # jax.Device.device_kind on this generation
 
+  @property
+  def chip(self) -> chips_lib.Chip:
+    return chips_lib.CHIPS[self.prefix]
 
-# hbm_gib is what the libtpu that jax[tpu]==0.10.2 pins reports for a compile that runs out of memory; it is a little
-# under the data-sheet figure (96 GiB per v5p chip, 192 GiB per v7 chip) because the runtime reserves some.
+  @property
+  def devices_per_chip(self) -> int:
+    return self.chip.devices_per_chip
+
+
+# The chips' figures (peak FLOP/s, HBM, devices per chip) are maxctx/chips.py's.
 GENERATIONS: dict[str, Generation] = {g.prefix: g for g in (
-    Generation("v5p", "v5p", 2, 1, 3, 95.74, "TPU v5"),
-    Generation("tpu7x", "tpu7x", 2, 2, 3, 94.75, "TPU7x"),
-    Generation("v4", "v4", 2, 1, 3, 30.75, "TPU v4"),
-    Generation("v5e", "v5e", 1, 1, 2, 15.75, "TPU v5 lite"),
-    Generation("v6e", "v6e", 1, 1, 2, 31.25, "TPU v6 lite"),
+    Generation("v5p", "v5p", 2, 3, "TPU v5"),
+    Generation("tpu7x", "tpu7x", 2, 3, "TPU7x"),
+    Generation("v4", "v4", 2, 3, "TPU v4"),
+    Generation("v5e", "v5e", 1, 2, "TPU v5 lite"),
+    Generation("v6e", "v6e", 1, 2, "TPU v6 lite"),
 )}
 # XPK also accepts these spellings.
 ALIASES = {"v5litepod": "v5e", "v6": "v6e", "v7x": "tpu7x", "tpu-v7": "tpu7x"}
@@ -67,7 +73,7 @@ class Topology:
 
   @property
   def hbm_bytes(self) -> int:
-    return int(self.generation.hbm_gib * GIB)
+    return int(self.generation.chip.hbm_gib_per_device * GIB)
 
 
 def default_shape(chips: int, dims: int) -> tuple[int, ...]:

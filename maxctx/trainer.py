@@ -12,11 +12,10 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
-from maxctx import attention, mesh as mesh_lib, optim, sharding
+from maxctx import attention, chunks, mesh as mesh_lib, optim, sharding
 from maxctx.config import Config
 from maxctx.errors import ConfigError
 from maxctx.model import Transformer
-from maxctx.model import loss as loss_lib
 
 
 @flax.struct.dataclass
@@ -71,16 +70,21 @@ def validate(config: Config, num_devices: int, num_slices: int = 1, platform: st
   for key, chunk in (("model.loss_chunk", m.loss_chunk), ("model.mlp_chunk", m.mlp_chunk)):
     # The loss's and the MLP's steps must split the device's tokens evenly; a chunk far below the one asked for would
     # mean many more sequential steps than intended.
-    used = loss_lib.divisor_at_most(chunk, local)
+    used = chunks.divisor_at_most(chunk, local)
     if 0 < chunk < local and 2 * used <= chunk:
       raise ConfigError(f"{key} {chunk} does not divide the {local} tokens per device and would run as steps of "
                         f"{used}; choose a divisor of {local}.")
-  attention.validate(config.attention.strategy, attention.Problem(
-      context=sizes["context"], tensor=sizes["tensor"], n_heads=m.n_heads, n_kv_heads=m.n_kv_heads,
-      seq_len=d.seq_len, kernel=config.attention.kernel, load_balance=config.attention.load_balance,
-      ulysses_degree=config.attention.ulysses_degree, block_q=config.attention.block_q,
-      block_kv=config.attention.block_kv, platform=platform))
+  attention.validate(config.attention.strategy, attention_problem(config, sizes, platform))
   return sizes
+
+
+def attention_problem(config: Config, sizes: dict[str, int], platform: str | None = None) -> attention.Problem:
+  """What the attention strategy is asked to run: the model's heads, the sequence and the mesh's degrees."""
+  m, a = config.model, config.attention
+  return attention.Problem(
+      context=sizes["context"], tensor=sizes["tensor"], n_heads=m.n_heads, n_kv_heads=m.n_kv_heads,
+      seq_len=config.data.seq_len, kernel=a.kernel, load_balance=a.load_balance, ulysses_degree=a.ulysses_degree,
+      block_q=a.block_q, block_kv=a.block_kv, platform=platform)
 
 
 def build_model(config: Config, mesh: Mesh | None) -> Transformer:

@@ -10,7 +10,8 @@ import pytest
 from maxctx import config as config_lib
 from maxctx import topology
 from maxctx.bench import __main__ as bench_main
-from maxctx.bench import hlo, plan, report, roofline
+from maxctx import hlo
+from maxctx.bench import plan, report, roofline
 
 needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
                                   reason="libtpu is not installed (pip install -e '.[tpu]'); it compiles for TPUs")

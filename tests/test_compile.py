@@ -7,6 +7,7 @@ import json
 import pytest
 
 from maxctx import compile as compile_lib
+from maxctx import hlo as hlo_lib
 from maxctx import trainer as trainer_lib
 from maxctx import topology
 from maxctx.errors import ConfigError
@@ -63,10 +64,10 @@ def test_collective_counts_reads_async_pairs_once_and_scopes():
       '  %cp = bf16[2] collective-permute(bf16[2] %x), metadata={op_name="jit(f)/attention/ring/ppermute"}',
       '  %ar = f32[] all-reduce(f32[] %y), to_apply=%add, metadata={op_name="jit(f)/train_step/all-to-all("}',
   ])
-  counts = compile_lib.collective_counts(hlo)
+  counts = hlo_lib.instruction_counts(hlo)
   kinds = ("all-gather", "collective-permute", "all-reduce", "all-to-all")
   assert tuple(counts[kind] for kind in kinds) == (1, 1, 1, 0)
-  scoped = compile_lib.collective_counts(hlo, "attention")
+  scoped = hlo_lib.instruction_counts(hlo, "attention")
   assert (scoped["all-gather"], scoped["collective-permute"], scoped["all-reduce"]) == (1, 1, 0)
 
 

@@ -27,3 +27,7 @@ class AllGather(Strategy):
       return local(q, k_all, v_all, segment_ids, seg_all, positions, pos_all)
 
     return self.shard(mesh, attend)
+
+  def held_kv_bytes(self, p, rows, head_dim, dtype_bytes):
+    # The whole sequence's K and V (gathered) and dK, dV (before the reduce-scatter), for the device's KV heads.
+    return 4 * rows * p.seq_len * (p.n_kv_heads // p.tensor) * head_dim * dtype_bytes

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from maxctx.attention import mask
+from maxctx.chunks import divisor_at_most
 
 DEFAULT_BLOCK = 512
 _F32 = jnp.float32
@@ -37,10 +38,7 @@ _F32 = jnp.float32
 
 def fit_block(block: int | None, length: int) -> int:
   """The largest block ≤ `block` (default 512) that divides `length`."""
-  block = min(block or DEFAULT_BLOCK, length)
-  while length % block:
-    block -= 1
-  return block
+  return divisor_at_most(block or DEFAULT_BLOCK, length)
 
 
 def _rows(x_BTN_, kv_heads):

@@ -72,6 +72,12 @@ class Strategy:
     raise NotImplementedError
 
 
+  def held_kv_bytes(self, p: Problem, rows: int, head_dim: int, dtype_bytes: int) -> int:
+    """Bytes of K/V and their gradients one device must hold at once in a layer's backward, from the shapes alone,
+    for `rows` sequences per device: a bound below which no compile can go. 0 where the strategy holds only chunks
+    of its own share (the compiled step's memory is then the measure)."""
+    return 0
+
   def keeps_document_order(self, p: Problem) -> bool:
     """Whether each device's kernel sees queries and keys of the whole sequence in natural order."""
     return p.context == 1 and not p.load_balance

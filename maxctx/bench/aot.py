@@ -21,10 +21,12 @@ import logging
 import pathlib
 from typing import Any
 
+from maxctx import attention
 from maxctx import compile as compile_lib
+from maxctx import hlo as hlo_lib
 from maxctx import metrics as metrics_lib
 from maxctx import topology as topology_lib
-from maxctx.bench import hlo as hlo_lib
+from maxctx import trainer as trainer_lib
 from maxctx.bench import roofline
 from maxctx.bench.plan import Case
 from maxctx.config import Config
@@ -77,14 +79,14 @@ def find_report(directory: pathlib.Path, config: Config, topo: topology_lib.Topo
   return None
 
 
-def gathered_kv_bytes(config: Config, mesh: dict[str, int]) -> int:
-  """Per-device bytes that all_gather holds at once in one layer's backward: the whole sequence's K and V (gathered)
-  and their gradients dK and dV (before the reduce-scatter), for the device's KV heads and batch rows, at no more than
-  the compute dtype. More than HBM cannot fit, compiled or not."""
+def held_kv_bytes(config: Config, mesh: dict[str, int]) -> int:
+  """Per-device bytes of K/V and their gradients that the strategy holds at once in one layer's backward, from the
+  shapes (see `Strategy.held_kv_bytes`), at no more than the compute dtype. More than HBM cannot fit, compiled or not."""
   m, d = config.model, config.data
   rows = max(d.batch_size // (mesh["data"] * mesh["fsdp"] * config.optim.grad_accum), 1)
   dtype_bytes = 2 if m.dtype == "bfloat16" else 4
-  return 4 * rows * d.seq_len * (m.n_kv_heads // mesh["tensor"]) * m.head_dim * dtype_bytes
+  problem = trainer_lib.attention_problem(config, mesh, platform="tpu")
+  return attention.get(config.attention.strategy).held_kv_bytes(problem, rows, m.head_dim, dtype_bytes)
 
 
 def _inspect(compiled) -> dict[str, Any]:
@@ -103,11 +105,11 @@ def report_for(case: Case, options: compile_lib.CompileOptions, mesh: dict[str, 
   for directory in reports:
     if found := find_report(directory, case.config, topo, options.num_slices, mesh):
       return found[0], f"report {found[1]}"
-  if case.config.attention.strategy == "all_gather" and mesh["context"] > 1 and (
-      need := gathered_kv_bytes(case.config, mesh)) > topo.hbm_bytes:
-    return None, (f"does not fit (from the shapes, not compiled): in each layer's backward all_gather holds the whole "
-                  f"sequence's K, V, dK and dV on every device, at least {need / topology_lib.GIB:.1f} GiB of "
-                  f"{topo.hbm_bytes / topology_lib.GIB:.1f} GiB HBM before anything else")
+  if mesh["context"] > 1 and (need := held_kv_bytes(case.config, mesh)) > topo.hbm_bytes:
+    return None, (f"does not fit (from the shapes, not compiled): in each layer's backward "
+                  f"{case.config.attention.strategy} holds K, V, dK and dV of at least "
+                  f"{need / topology_lib.GIB:.1f} GiB per device of {topo.hbm_bytes / topology_lib.GIB:.1f} GiB HBM "
+                  "before anything else")
   if not compile_missing:
     return None, "not compiled (no cached or matching report; run without --no-compile)"
   log.info("compiling %s for %s ...", case.name, topo.name)

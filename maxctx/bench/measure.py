@@ -20,7 +20,7 @@ import jax
 from maxctx import data as data_lib
 from maxctx import mesh as mesh_lib
 from maxctx import metrics as metrics_lib
-from maxctx.bench import hlo as hlo_lib
+from maxctx import hlo as hlo_lib
 from maxctx.bench import trace as trace_lib
 from maxctx.bench.plan import Case
 from maxctx.trainer import Trainer

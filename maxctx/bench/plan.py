@@ -85,8 +85,8 @@ def configure(base: Config, strategy: str, seq_len: int, num_devices: int, num_s
   overrides = {"attention.strategy": NONE_STRATEGY if strategy == NONE else strategy, "data.seq_len": seq_len,
                "run.name": f"{base.run.name}-bench-{strategy}-{tokens(seq_len)}", "checkpoint.every_steps": 0,
                "checkpoint.load_params": "", "eval.every_steps": 0}
-  if strategy != "usp":
-    overrides["attention.ulysses_degree"] = None  # read by usp only; the others refuse it
+  if not attention.get(overrides["attention.strategy"]).uses_ulysses_degree:
+    overrides["attention.ulysses_degree"] = None  # the strategies that do not read it refuse it
   if steps is not None:
     overrides["run.steps"] = steps
   try:

@@ -120,7 +120,7 @@ def markdown_measured(records: Sequence[dict], title: str, setup: str) -> str:
   lines += ["", "CP comm share: the mean time one device spends in the attention strategy's collectives (the "
             "`attention` named scope) during the profiled steps, divided by their wall time; \"all collectives\" adds "
             "data-parallel and ZeRO-3 traffic. Bytes are sent per device per step, loop trip counts included "
-            "(maxctx/bench/hlo.py). Runtime peak is `device.memory_stats()`, which XLA:CPU does not keep (—); it "
+            "(maxctx/hlo.py). Runtime peak is `device.memory_stats()`, which XLA:CPU does not keep (—); it "
             "counts from the start of the process, so a run below an earlier run's peak cannot be told apart."]
   return "\n".join(lines) + "\n"
 

@@ -2,7 +2,7 @@
 returns is an estimate, and is labelled so wherever it is printed or plotted.
 
 The model, per device, from the compile report of `maxctx.compile.compile_for` and the step's collective bytes
-(maxctx.bench.hlo, loop trip counts included):
+(maxctx.hlo, loop trip counts included):
   compute  = analytic model FLOPs per device × 4/3 under `remat: full` or `full_offload` (the forward runs twice)
              / peak bf16 FLOP/s
   memory   = (argument + output + 2 × temp bytes) / HBM bandwidth: each byte the step holds is written or read at
@@ -14,60 +14,35 @@ The model, per device, from the compile report of `maxctx.compile.compile_for` a
   MFU      = model FLOPs per step / (step × devices × peak per device); tokens/s = tokens per step / step
 The peak assumes the matmuls run at the chip's bf16 peak; the pure-JAX blockwise kernel will not, so real step times
 will be longer. Not modelled: the host transfers of `remat: full_offload` (its saved layer inputs go to host memory
-and back once per step), and DCN, which is listed for multi-slice work but not used (single slice only).
+and back once per step), and DCN, which is listed for multi-slice work but not used (single slice only). The chips' figures and their sources
+are maxctx/chips.py's.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
+from maxctx import chips
 from maxctx import topology as topology_lib
 from maxctx.errors import ConfigError
 
 GB = 1e9
 
 
-@dataclasses.dataclass(frozen=True)
-class Chip:
-  name: str
-  bf16_tflops: float      # peak dense bf16 TFLOP/s per chip
-  hbm_gb_s: float         # HBM bandwidth per chip, GB/s
-  ici_gb_s: float         # inter-chip interconnect per chip, GB/s, both directions of all links together
-  ici_links: int          # ICI links per chip (3-D torus: 6 neighbours; 2-D: 4)
-  dcn_gbit_s: float       # data-center network per chip, Gbit/s (multi-slice; not used by the estimate)
-
-  @property
-  def link_gb_s(self) -> float:
-    """One link, one direction."""
-    return self.ici_gb_s / 2 / self.ici_links
-
-
-# Sources: Google Cloud TPU documentation, "TPU7x (Ironwood)" (docs.cloud.google.com/tpu/docs/tpu7x), whose
-# specification table lists v5p, v6e and TPU7x side by side: peak bf16 per chip 459 / 918 / 2,307 TFLOP/s (TPU7x fp8:
-# 4,614), HBM bandwidth per chip 2,765 / 1,638 / 7,380 GB/s, bidirectional ICI bandwidth per chip 1,200 / 800 / 1,200
-# GB/s, DCN per chip 50 / 100 / 100 Gb/s. The v5p page (docs.cloud.google.com/tpu/docs/v5p) gives the same v5p figures
-# (its older version: "Interchip Interconnect BW 4,800 Gbps" = 600 GB/s one way). Links per chip are the torus degree
-# of the slice shapes (v5p, TPU7x: 3-D torus; v6e: 2-D), an assumption of this model, not a data-sheet figure.
-CHIPS: dict[str, Chip] = {
-    "v5p": Chip("TPU v5p", 459.0, 2765.0, 1200.0, 6, 50.0),
-    "tpu7x": Chip("TPU7x (Ironwood)", 2307.0, 7380.0, 1200.0, 6, 100.0),
-    "v6e": Chip("TPU v6e (Trillium)", 918.0, 1638.0, 800.0, 4, 100.0),
-}
-
-
-def chip_for(topo: topology_lib.Topology) -> Chip:
-  if topo.generation.prefix not in CHIPS:
+def chip_for(topo: topology_lib.Topology) -> chips.Chip:
+  chip = topo.generation.chip
+  if not chip.has_roofline:
+    known = ", ".join(k for k, c in chips.CHIPS.items() if c.has_roofline)
     raise ConfigError(f"no roofline figures for {topo.generation.prefix} (TPU type {topo.name}); the estimate knows "
-                      f"{', '.join(CHIPS)}: add the chip to maxctx/bench/roofline.py CHIPS with its source.")
-  return CHIPS[topo.generation.prefix]
+                      f"{known}: add its HBM and ICI figures to maxctx/chips.py CHIPS with their source.")
+  return chip
 
 
 def table() -> str:
   """The roofline's inputs as a Markdown table (printed with every estimate, so the numbers carry their basis)."""
   lines = ["| chip | peak bf16 TFLOP/s | HBM GB/s | ICI GB/s (bidir., per chip) | ICI links | GB/s per link, one way | "
            "DCN Gb/s |", "|---|---:|---:|---:|---:|---:|---:|"]
-  for c in CHIPS.values():
+  for c in (c for c in chips.CHIPS.values() if c.has_roofline):
     lines.append(f"| {c.name} | {c.bf16_tflops:,.0f} | {c.hbm_gb_s:,.0f} | {c.ici_gb_s:,.0f} | {c.ici_links} | "
                  f"{c.link_gb_s:,.0f} | {c.dcn_gbit_s:,.0f} |")
   return "\n".join(lines)

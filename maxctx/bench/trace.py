@@ -25,7 +25,7 @@ from typing import Iterator
 
 import jax
 
-from maxctx.bench.hlo import Collectives
+from maxctx.hlo import Collectives
 
 
 @dataclasses.dataclass

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from maxctx import sharding
+from maxctx.chunks import divisor_at_most
 
 
 def global_chunk(local_chunk: int, seq_len: int) -> int:
@@ -23,14 +24,6 @@ def global_chunk(local_chunk: int, seq_len: int) -> int:
   if seq_len % shards:
     shards = 1
   return divisor_at_most(local_chunk, seq_len // shards) * shards
-
-
-def divisor_at_most(request: int, tokens: int) -> int:
-  """The largest divisor of `tokens` not above `request` (at least 1): a chunk that splits `tokens` evenly."""
-  chunk = min(max(1, request), tokens)
-  while tokens % chunk:
-    chunk -= 1
-  return chunk
 
 
 def _logits(h_BCD, w_DV):

@@ -18,6 +18,7 @@ import jax
 from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 
+from maxctx import scopes
 from maxctx.attention import kernels
 from maxctx.config import ModelConfig
 from maxctx.model import loss as loss_lib
@@ -83,7 +84,7 @@ class Attention(nn.Module):
       q_BTNH = constrain(q_BTNH, ("batch", "seq", "act_heads", "act_head_dim"))
       k_BTKH = constrain(k_BTKH, ("batch", "seq", "act_kv_heads", "act_head_dim"))
       v_BTKH = constrain(v_BTKH, ("batch", "seq", "act_kv_heads", "act_head_dim"))
-    with jax.named_scope("attention"):
+    with jax.named_scope(scopes.ATTENTION):
       out_BTNH = self.attention_fn(q_BTNH, k_BTKH, v_BTKH, segment_ids, positions)
       out_BTNH = checkpoint_name(out_BTNH, "attn_out")
     with jax.named_scope("out_proj"):

@@ -23,11 +23,14 @@ import dataclasses
 import math
 import re
 
-from maxctx.compile import COLLECTIVES
+from maxctx import scopes
 
-# An instruction whose source op ran inside `jax.named_scope("attention")`: the strategy's own communication. The
-# rest is data parallelism (gradient reduction) and ZeRO-3 (parameter all-gathers, gradient reduce-scatters).
-ATTENTION_SCOPE = "/attention/"
+# Collective kinds as the compiled HLO names them; an async pair (`-start` / `-done`) counts once.
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute",
+               "collective-broadcast", "ragged-all-to-all")
+# An instruction whose source op ran inside the model's attention scope: the strategy's own communication. The rest
+# is data parallelism (gradient reduction) and ZeRO-3 (parameter all-gathers, gradient reduce-scatters).
+ATTENTION_SCOPE = scopes.marker(scopes.ATTENTION)
 
 _BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
           "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
@@ -223,6 +226,17 @@ def collectives(hlo_text: str, num_devices: int) -> Collectives:
       executions[kind] += n
       unknown += uncounted.get(name, False)
   return Collectives(module, kinds, sent[True], sent[False], executions, unknown)
+
+
+def instruction_counts(hlo_text: str, scope: str | None = None) -> dict[str, int]:
+  """How many instructions of each collective kind the HLO holds (a loop body's count once, groups of one device
+  included); with `scope`, only those whose source op ran inside `jax.named_scope(scope)`."""
+  counts = dict.fromkeys(COLLECTIVES, 0)
+  for line in hlo_text.splitlines():
+    inst = _parse_instruction(line)
+    if inst and (kind := _kind(inst.opcode)) and (scope is None or scopes.marker(scope) in inst.attributes):
+      counts[kind] += 1
+  return counts
 
 
 def num_partitions(hlo_text: str, default: int) -> int:
