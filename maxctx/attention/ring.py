@@ -16,8 +16,8 @@ Memory: the buffers in flight (K/V arriving, dK/dV leaving) and the kernel's sco
 all heads travelled at once, so the ring runs in passes over groups of KV heads (with their query heads; USP needs at
 least U query heads per pass): in-flight memory is one group's (or one sub-chunk of it, below), and everything else
 is O(T/P). A group is as many KV heads as keep one hop's K and V within `PASS_BYTES`, at least one: long chunks go
-one head at a time, short ones batch heads so that each hop's collectives and kernel calls carry enough work (on the
-CPU, T = 8192 over 8 devices ran 7% faster with 4 heads per pass than with one). When even one head is larger and its
+one head at a time, short ones batch heads so that each hop's collectives and kernel calls carry enough work to
+outweigh their fixed cost per launch. When even one head is larger and its
 K/V would outweigh a share of the pass's query state (`KV_SHARE`), the pass sends its tokens in sub-chunks, each round
 the whole ring in turn (USP all-to-alls each sub-chunk on its own): the same bytes in more, smaller hops. This is what
 keeps USP's memory near the ring's: its pass holds the all-to-all group's U·T/P tokens, so whole hops would carry U×
