@@ -17,8 +17,8 @@ Tiles are plain matrix products: per (batch, KV head), a block of bq queries wit
 are sliced, so the kernel holds no reordered copy of q, k, v or the gradients, and each tile is one plain matrix
 product, which backends run as a single GEMM without first transposing a multi-axis contraction. The numerator is
 laid out like q ([B, T, N, H]), so finishing it moves nothing; per-row values (running max, denominator, lse, delta)
-are [B, N, T], tokens minor, which a TPU's tiled layouts store unpadded. The state is otherwise opaque to callers. `attend` is the single-chunk kernel
-with its custom_vjp; the backward recomputes scores tile by tile from (q, k, v, lse) instead of saving them.
+are [B, N, T], tokens minor, which a TPU's tiled layouts store unpadded. The state is otherwise opaque to callers.
+`attend` is the single-chunk kernel with its custom_vjp; the backward recomputes scores tile by tile from (q, k, v, lse) instead of saving them.
 """
 
 from __future__ import annotations

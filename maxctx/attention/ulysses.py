@@ -5,7 +5,8 @@ per device for the all-to-all buffers, O(T·K/P) for the attention itself.
 GQA with fewer KV heads than the all-to-all degree: each KV head is repeated r = degree / gcd(K, degree) times
 (jnp.repeat keeps the copies of a head adjacent, so query head n still meets a copy of KV head n // G after the
 split) — the least replication that lets the degree split the KV heads, so such a degree runs instead of being
-refused. Autodiff sums the copies' gradients back. Query heads must still split evenly: N / tensor divisible by the degree.
+refused. Autodiff sums the copies' gradients back. Query heads must still split evenly: N / tensor divisible by the
+degree.
 
 `AllToAll` takes `axis_index_groups`, so USP reuses it inside groups of adjacent devices.
 """

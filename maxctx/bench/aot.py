@@ -81,7 +81,8 @@ def find_report(directory: pathlib.Path, config: Config, topo: topology_lib.Topo
 
 def held_kv_bytes(config: Config, mesh: dict[str, int]) -> int:
   """Per-device bytes of K/V and their gradients that the strategy holds at once in one layer's backward, from the
-  shapes (see `Strategy.held_kv_bytes`), at no more than the compute dtype. More than HBM cannot fit, compiled or not."""
+  shapes (see `Strategy.held_kv_bytes`), at no more than the compute dtype. More than HBM cannot fit, compiled or
+  not."""
   m, d = config.model, config.data
   rows = max(d.batch_size // (mesh["data"] * mesh["fsdp"] * config.optim.grad_accum), 1)
   dtype_bytes = 2 if m.dtype == "bfloat16" else 4

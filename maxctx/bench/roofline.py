@@ -14,8 +14,8 @@ The model, per device, from the compile report of `maxctx.compile.compile_for` a
   MFU      = model FLOPs per step / (step × devices × peak per device); tokens/s = tokens per step / step
 The peak assumes the matmuls run at the chip's bf16 peak; the pure-JAX blockwise kernel will not, so real step times
 will be longer. Not modelled: the host transfers of `remat: full_offload` (its saved layer inputs go to host memory
-and back once per step), and DCN, which is listed for multi-slice work but not used (single slice only). The chips' figures and their sources
-are maxctx/chips.py's.
+and back once per step), and DCN, which is listed for multi-slice work but not used (single slice only). The chips'
+figures and their sources are maxctx/chips.py's.
 """
 
 from __future__ import annotations
