@@ -8,7 +8,9 @@
 
 Orbax writes a step into `<step>.orbax-checkpoint-tmp-*` and renames it when every file is down, so a crash mid-save
 leaves the previous step as the latest; the leftover is reported and removed. A finished step that fails to read back
-(a truncated file, say) is reported, moved aside to `<step>.corrupt-<time>` and the step before it is used.
+(a truncated file, say) is reported, moved aside to `<step>.corrupt-<time>` and the step before it is used. A save
+that cannot be written (no permission, a full disk), at once or in the background, stops the run with one sentence
+naming that step and the last good one, which is kept.
 
 checkpoint.resume:
   auto   the newest step that reads back, if the checkpoints are of this run (MUST_MATCH); none: start fresh
@@ -36,31 +38,18 @@ from etils import epath
 from jax.sharding import Mesh
 
 from maxctx.config import Config
-from maxctx.errors import CheckpointError, ConfigError
-from maxctx.params_io import check_params, check_tree, path_of as _path, quiet_orbax, read_params, why as _why
+from maxctx.errors import CheckpointError
+from maxctx.params_io import check_params, check_tree, path_of as _path, read_params, why as _why
+from maxctx.resume_match import CLIPS as _CLIPS, MUST_MATCH, fingerprint, flat as _flat, validate
 from maxctx.trainer import Trainer, TrainState
 
-__all__ = ["Checkpoints", "abstract_state", "check_params", "check_tree", "fingerprint", "read_params", "validate"]
+__all__ = ["MUST_MATCH", "Checkpoints", "abstract_state", "check_params", "check_tree", "fingerprint", "read_params",
+           "validate"]
 
 log = logging.getLogger("maxctx")
 
 STATE, DATA, META = "state", "data", "meta"
 META_VERSION = 1
-
-# Config keys a resumed run must share with the run that saved: they fix the parameter shapes, what the model
-# computes and which batch comes next. Everything else (mesh, attention, run.steps, learning rate, ...) may change
-# between restarts; the changes are logged.
-MUST_MATCH = (
-    "model.vocab_size", "model.d_model", "model.n_layers", "model.n_heads", "model.n_kv_heads", "model.head_dim",
-    "model.d_ff", "model.norm_eps", "model.rope_theta", "model.rope_scaling", "model.rope_factor",
-    "model.rope_low_freq_factor", "model.rope_high_freq_factor", "model.rope_original_context", "model.param_dtype",
-    "model.scan_layers", "run.seed", "data.source", "data.path", "data.seq_len", "data.batch_size", "data.tokenizer",
-    "data.text_field", "data.text_separator", "data.packing", "data.long_documents", "data.shuffle",
-    "data.num_workers", "attention.load_balance",
-)
-# Not a key but a fact about one: clipping adds a stage to the optimizer state's structure.
-_CLIPS = "optim.clip_norm > 0"
-
 
 def _steps_text(steps) -> str:
   steps = sorted(steps)
@@ -82,29 +71,6 @@ def abstract_state(trainer: Trainer) -> TrainState:
   """The train state's shapes, dtypes and shardings, without allocating it."""
   return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                       jax.eval_shape(trainer.init, jax.random.key(0)), trainer.state_shardings)
-
-
-def _lookup(tree: dict[str, Any], dotted: str) -> Any:
-  for part in dotted.split("."):
-    if not isinstance(tree, dict) or part not in tree:
-      return None
-    tree = tree[part]
-  return tree
-
-
-def fingerprint(tree: dict[str, Any]) -> dict[str, Any]:
-  """What must match to resume, from a config's dict (this run's or a saved one)."""
-  out = {k: _lookup(tree, k) for k in MUST_MATCH}
-  clip = _lookup(tree, "optim.clip_norm")
-  out[_CLIPS] = clip is not None and clip > 0
-  return out
-
-
-def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-  out = {}
-  for k, v in tree.items():
-    out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v})
-  return out
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -139,17 +105,6 @@ def _registry() -> ocp.handlers.DefaultCheckpointHandlerRegistry:
   registry.add(META, ocp.args.JsonSave)
   registry.add(META, ocp.args.JsonRestore)
   return registry
-
-
-def validate(config: Config) -> None:
-  c = config.checkpoint
-  if c.every_steps < 0:
-    raise ConfigError(f"checkpoint.every_steps is {c.every_steps}; use 0 (never save) or a positive interval.")
-  if c.keep < 1:
-    raise ConfigError(f"checkpoint.keep is {c.keep}; keep at least 1 checkpoint (2 or more lets a corrupt latest "
-                      "step fall back to the one before).")
-  if c.resume not in ("auto", "never") and not (c.resume.isdigit()):
-    raise ConfigError(f"checkpoint.resume is {c.resume!r}; use auto, never, or a step number such as 100.")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
