@@ -7,7 +7,9 @@ i+1 is dispatched, so the host never makes the devices wait; at a save the step'
 waits for that step anyway), so a non-finite step stops the run before its state is saved.
 
 SIGTERM saves at the next step boundary and returns normally (exit 0); rerunning the same command continues from the
-newest complete checkpoint with the losses an uninterrupted run would have had.
+newest complete checkpoint with the losses an uninterrupted run would have had. Before the first step is dispatched
+there is nothing to save and SIGTERM ends the process at once (maxctx.preemption). The run holds its directory with a
+lock for its whole life (maxctx.run_dir).
 """
 
 from __future__ import annotations
