@@ -143,7 +143,8 @@ CASES = [
     ("load-params-missing", "train", ["checkpoint.load_params={F}/nothing"], ["is not a directory"]),
     ("load-params-not-orbax", "train", ["checkpoint.load_params={F}/notckpt"], ["is not a readable Orbax checkpoint"]),
     # maxctx.eval
-    ("eval-no-params", "eval", [], ["checkpoint.load_params"]),
+    ("eval-samples-zero", "eval", ["--samples=0"], ["eval samples is 0"]),
+    ("eval-task-file-missing", "eval", ["--files={F}/nothing.jsonl"], ["nothing.jsonl does not exist"]),
     ("eval-unknown-task", "eval", ["--tasks=passkee"], ["passkee"]),
     ("eval-bad-depth", "eval", ["--depths=1.5"], ["1.5"]),
     ("eval-bad-length", "eval", ["--lengths=lots"], ["lots"]),
