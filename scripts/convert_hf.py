@@ -28,7 +28,6 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # Runs 
 
 from maxctx import config as config_lib  # noqa: E402
 from maxctx import hf  # noqa: E402
-from maxctx import params_io  # noqa: E402
 from maxctx.errors import CheckpointError, MaxctxError  # noqa: E402
 
 SHARD_BYTES = 5 * 2**30
@@ -113,6 +112,8 @@ def _restore_params(params_dir: pathlib.Path) -> dict:
   """The params pytree of an Orbax checkpoint, as numpy on the host whatever sharding it was saved with."""
   import jax
   import orbax.checkpoint as ocp
+
+  from maxctx import params_io
 
   params_dir = params_dir.resolve()
   if not params_dir.exists():
