@@ -1,4 +1,4 @@
-"""Checkpoints of a run with Orbax: async saves of the train state and the data position, exact resume, preemption.
+"""Checkpoints of a run with Orbax: async saves of the train state and the data position, exact resume.
 
   <run.output_dir>/checkpoints/<step>/
     state/  TrainState (step, params, opt_state) as Orbax arrays; restored into this run's mesh shardings, so a run
@@ -8,7 +8,9 @@
 
 Orbax writes a step into `<step>.orbax-checkpoint-tmp-*` and renames it when every file is down, so a crash mid-save
 leaves the previous step as the latest; the leftover is reported and removed. A finished step that fails to read back
-(a truncated file, say) is reported, moved aside to `<step>.corrupt-<time>` and the step before it is used.
+(a truncated file, say) is reported, moved aside to `<step>.corrupt-<time>` and the step before it is used. A save
+that cannot be written (no permission, a full disk), at once or in the background, stops the run with one sentence
+naming that step and the last good one, which is kept.
 
 checkpoint.resume:
   auto   the newest step that reads back, if the checkpoints are of this run (MUST_MATCH); none: start fresh
@@ -22,11 +24,9 @@ optimizer) from saved parameters: a converted HF model or any step of another ru
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
-import os
-import signal
-import threading
 import time
 from typing import Any
 
@@ -38,141 +38,39 @@ from etils import epath
 from jax.sharding import Mesh
 
 from maxctx.config import Config
-from maxctx.errors import CheckpointError, ConfigError
+from maxctx.errors import CheckpointError
+from maxctx.params_io import check_params, check_tree, path_of as _path, read_params, why as _why
+from maxctx.resume_match import CLIPS as _CLIPS, MUST_MATCH, fingerprint, flat as _flat, validate
 from maxctx.trainer import Trainer, TrainState
+
+__all__ = ["MUST_MATCH", "Checkpoints", "abstract_state", "check_params", "check_tree", "fingerprint", "read_params",
+           "validate"]
 
 log = logging.getLogger("maxctx")
 
 STATE, DATA, META = "state", "data", "meta"
 META_VERSION = 1
 
-# Config keys a resumed run must share with the run that saved: they fix the parameter shapes, what the model
-# computes and which batch comes next. Everything else (mesh, attention, run.steps, learning rate, ...) may change
-# between restarts; the changes are logged.
-MUST_MATCH = (
-    "model.vocab_size", "model.d_model", "model.n_layers", "model.n_heads", "model.n_kv_heads", "model.head_dim",
-    "model.d_ff", "model.norm_eps", "model.rope_theta", "model.rope_scaling", "model.rope_factor",
-    "model.rope_low_freq_factor", "model.rope_high_freq_factor", "model.rope_original_context", "model.param_dtype",
-    "model.scan_layers", "run.seed", "data.source", "data.path", "data.seq_len", "data.batch_size", "data.tokenizer",
-    "data.text_field", "data.text_separator", "data.packing", "data.long_documents", "data.shuffle",
-    "data.num_workers", "attention.load_balance",
-)
-# Not a key but a fact about one: clipping adds a stage to the optimizer state's structure.
-_CLIPS = "optim.clip_norm > 0"
-
-
-def _lookup(tree: dict[str, Any], dotted: str) -> Any:
-  for part in dotted.split("."):
-    if not isinstance(tree, dict) or part not in tree:
-      return None
-    tree = tree[part]
-  return tree
-
-
-def fingerprint(tree: dict[str, Any]) -> dict[str, Any]:
-  """What must match to resume, from a config's dict (this run's or a saved one)."""
-  out = {k: _lookup(tree, k) for k in MUST_MATCH}
-  clip = _lookup(tree, "optim.clip_norm")
-  out[_CLIPS] = clip is not None and clip > 0
-  return out
-
-
-def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-  out = {}
-  for k, v in tree.items():
-    out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v})
-  return out
-
-
-def _path(name: str) -> epath.Path:
-  # Orbax misreads some metadata under relative local paths; URLs (gs://...) stay as they are.
-  return epath.Path(name if "://" in name else os.path.abspath(name))
-
-
 def _steps_text(steps) -> str:
   steps = sorted(steps)
   return ", ".join(map(str, steps)) if len(steps) <= 4 else f"{steps[0]}, {steps[1]}, …, {steps[-1]}"
 
 
-def _why(e: BaseException) -> str:
-  text = str(e).strip().splitlines()
-  text = text[0] if text else ""
-  return f"{type(e).__name__}: {text[:200]}" if text else type(e).__name__
+def os_error(e: BaseException) -> OSError | None:
+  """The OSError behind `e` (Orbax re-raises a background save's failure wrapped), if any."""
+  seen = set()
+  while e is not None and id(e) not in seen:
+    if isinstance(e, OSError):
+      return e
+    seen.add(id(e))
+    e = e.__cause__ or e.__context__
+  return None
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Tree checks: a checkpoint that does not fit the model names the first parameter that differs.
-
-
-def _key_name(k) -> str:
-  for attr in ("key", "idx", "name"):
-    if hasattr(k, attr):
-      return str(getattr(k, attr))
-  return str(k)
-
-
-def _shapes(tree: Any) -> dict[str, tuple[int, ...]]:
-  """Dotted leaf name → shape, for arrays, ShapeDtypeStructs and Orbax array metadata alike."""
-  leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-  return {".".join(_key_name(k) for k in path): tuple(leaf.shape) for path, leaf in leaves if hasattr(leaf, "shape")}
-
-
-def _what(name: str) -> str:
-  if name.startswith("params."):
-    return f"parameter {name.removeprefix('params.')}"
-  if name.startswith("opt_state."):
-    return f"optimizer state {name}"
-  return name
-
-
-def check_tree(saved: Any, wanted: Any, where: str, fix: str) -> None:
-  """Raises a CheckpointError naming the first leaf that is missing, unexpected or of another shape."""
-  have, want = _shapes(saved), _shapes(wanted)
-  for name, shape in want.items():
-    if name not in have:
-      raise CheckpointError(f"{where} has no {_what(name)} (shape {shape}), which the model has; {fix}")
-    if have[name] != shape:
-      raise CheckpointError(f"{where} holds {_what(name)} with shape {have[name]}, but the model needs {shape}; {fix}")
-  for name, shape in have.items():
-    if name not in want:
-      raise CheckpointError(f"{where} holds {_what(name)} (shape {shape}), which the model does not have; {fix}")
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Preemption.
-
-
-class Preemption:
-  """SIGTERM (or JAX's multi-host preemption sync point) → save at the next step boundary and stop.
-
-  With one process the signal handler only sets a flag: the loop checks it after dispatching each step, so the save
-  holds a whole step. With several processes JAX's preemption service owns SIGTERM and picks a step that every host
-  reaches (`reached_preemption_sync_point`, asked at every step by every host); a local flag could make the hosts
-  save at different steps and hang in the save's collectives.
-  """
-
-  def __init__(self):
-    self._signalled = False
-    self._previous = None
-
-  def __enter__(self) -> Preemption:
-    if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
-      self._previous = signal.signal(signal.SIGTERM, self._handler)
-    return self
-
-  def __exit__(self, *exc) -> None:
-    if self._previous is not None:
-      signal.signal(signal.SIGTERM, self._previous)
-      self._previous = None
-
-  def _handler(self, signum, frame) -> None:
-    del signum, frame  # No logging here: the interrupted code may hold the logging lock.
-    self._signalled = True
-
-  def requested(self, step: int) -> bool:
-    if self._signalled:
-      return True
-    return jax.process_count() > 1 and ocp.multihost.reached_preemption(step)
+def abstract_state(trainer: Trainer) -> TrainState:
+  """The train state's shapes, dtypes and shardings, without allocating it."""
+  return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                      jax.eval_shape(trainer.init, jax.random.key(0)), trainer.state_shardings)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -209,17 +107,6 @@ def _registry() -> ocp.handlers.DefaultCheckpointHandlerRegistry:
   return registry
 
 
-def validate(config: Config) -> None:
-  c = config.checkpoint
-  if c.every_steps < 0:
-    raise ConfigError(f"checkpoint.every_steps is {c.every_steps}; use 0 (never save) or a positive interval.")
-  if c.keep < 1:
-    raise ConfigError(f"checkpoint.keep is {c.keep}; keep at least 1 checkpoint (2 or more lets a corrupt latest "
-                      "step fall back to the one before).")
-  if c.resume not in ("auto", "never") and not (c.resume.isdigit()):
-    raise ConfigError(f"checkpoint.resume is {c.resume!r}; use auto, never, or a step number such as 100.")
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # The run's checkpoints.
 
@@ -237,12 +124,14 @@ class Checkpoints:
     c = config.checkpoint
     self.directory = _path(config.run.output_dir) / "checkpoints"
     self.enabled = c.every_steps > 0
-    self.last_saved: int | None = None  # The newest step on disk (or being written) that holds a good state.
+    self.last_saved: int | None = None  # The newest step known to be completely on disk.
+    self._writing: int | None = None  # A step saved in the background and not yet known to be complete.
     self._to_delete: list[int] = []
     self._meta_cache: dict[int, dict] = {}
     self._report_incomplete()
+    # create=False: a run that is refused must leave no directory behind; the first save creates it.
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=c.keep, enable_async_checkpointing=c.async_save, create=self.enabled,
+        max_to_keep=c.keep, enable_async_checkpointing=c.async_save, create=False,
         cleanup_tmp_directories=True, save_interval_steps=1)
     self._manager = ocp.CheckpointManager(self.directory, options=options, handler_registry=_registry())
     try:
@@ -258,7 +147,14 @@ class Checkpoints:
     self.close()
 
   def close(self) -> None:
-    self._manager.close()
+    try:
+      self._manager.close()
+    except Exception as e:  # noqa: BLE001 — a background save that failed; reported unless already reported.
+      if os_error(e) is None:
+        raise
+      if self._writing is not None:
+        step, self._writing = self._writing, None
+        raise self._failed(step, e) from None
 
   def step_path(self, step: int) -> epath.Path:
     return self.directory / str(step)
@@ -344,8 +240,7 @@ class Checkpoints:
 
   def restore_or_init(self, trainer: Trainer, pipeline) -> TrainState:
     """The newest readable checkpoint (restoring the data position into `pipeline`), else load_params, else init."""
-    abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                            jax.eval_shape(trainer.init, jax.random.key(0)), trainer.state_shardings)
+    abstract = abstract_state(trainer)
     for i, step in enumerate(self._candidates):
       try:
         meta = self._read_meta(step)
@@ -415,9 +310,13 @@ class Checkpoints:
     return self.enabled and (step % c.every_steps == 0 or step == self._config.run.steps)
 
   def save(self, step: int, state: TrainState, data_state: dict, wait: bool = False) -> bool:
-    """Saves `state` (after `step` steps) and the data position; async unless `wait`. False when saving is off."""
-    if not self.enabled or step == self.last_saved:
+    """Saves `state` (after `step` steps) and the data position; async unless `wait`. False when saving is off.
+
+    A save that cannot be written (no permission, disk full), now or in the background, stops the run with a
+    CheckpointError naming the step and the last good checkpoint, which is kept."""
+    if not self.enabled or step in (self.last_saved, self._writing):
       return False
+    self.wait()  # The previous save's failure, if any, is reported as that step's.
     if self._to_delete:
       log.warning("checkpoint: deleting steps %s in %s (checkpoint.overwrite=true)", _steps_text(self._to_delete),
                   self.directory)
@@ -427,20 +326,57 @@ class Checkpoints:
     t = time.perf_counter()
     meta = {"version": META_VERSION, "step": step, "config": self._config.to_dict(), "mesh": dict(self._mesh.shape),
             "processes": jax.process_count(), "time": time.time()}
-    self._manager.save(step, force=True, args=ocp.args.Composite(**{
-        STATE: ocp.args.StandardSave(state), DATA: grain.checkpoint.CheckpointSave(_DataState(data_state)),
-        META: ocp.args.JsonSave(meta)}))
+    self._writing = step
+    try:
+      if jax.process_index() == 0:
+        self._probe(step)
+      self._manager.save(step, force=True, args=ocp.args.Composite(**{
+          STATE: ocp.args.StandardSave(state), DATA: grain.checkpoint.CheckpointSave(_DataState(data_state)),
+          META: ocp.args.JsonSave(meta)}))
+    except Exception as e:  # noqa: BLE001
+      if os_error(e) is None:
+        raise
+      self._writing = None
+      raise self._failed(step, e) from None
     blocked = time.perf_counter() - t
     if wait or not self._config.checkpoint.async_save:
-      self._manager.wait_until_finished()
-    self.last_saved = step
+      self.wait()
     mode = "in the background" if self._config.checkpoint.async_save and not wait else "done"
     log.info("checkpoint: saving step %d to %s (%s; the loop waited %.2fs)", step, self.step_path(step), mode,
              time.perf_counter() - t if wait else blocked)
     return True
 
+  def _probe(self, step: int) -> None:
+    """Creates (and removes) a directory where Orbax is about to: a directory that became unwritable fails here, at
+    once, instead of in Orbax's background thread, which leaves the save waiting minutes for a signal."""
+    self.directory.mkdir(parents=True, exist_ok=True)
+    probe = self.directory / f"{step}.maxctx-write-probe"
+    probe.mkdir(exist_ok=True)
+    probe.rmdir()
+
   def wait(self) -> None:
-    self._manager.wait_until_finished()
+    """Waits for the save in flight; raises the CheckpointError of one that failed."""
+    try:
+      self._manager.wait_until_finished()
+    except Exception as e:  # noqa: BLE001
+      if os_error(e) is None or self._writing is None:
+        raise
+      step, self._writing = self._writing, None
+      raise self._failed(step, e) from None
+    if self._writing is not None:
+      self.last_saved, self._writing = self._writing, None
+
+  def _failed(self, step: int, e: BaseException) -> CheckpointError:
+    err = os_error(e)
+    cause = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exceeded",
+             errno.EACCES: "permission denied", errno.EPERM: "permission denied",
+             errno.EROFS: "the filesystem is read-only"}.get(getattr(err, "errno", None), _why(err or e))
+    fix = "free space" if "disk" in cause else "make it writable"
+    if self.last_saved is None:
+      return CheckpointError(f"saving checkpoint step {step} to {self.directory} failed ({cause}); the run stopped "
+                             f"before any checkpoint was saved; {fix} and rerun the command.")
+    return CheckpointError(f"saving checkpoint step {step} to {self.directory} failed ({cause}); the run stopped and "
+                           f"{self.last_good()}, which is kept; {fix} and rerun the command to continue from it.")
 
   def last_good(self) -> str:
     """The last good checkpoint, in words, for messages that stop the run."""
@@ -448,41 +384,6 @@ class Checkpoints:
       why = " (checkpoint.every_steps=0)" if not self.enabled else ""
       return f"no checkpoint was saved{why}"
     return f"the last good checkpoint is step {self.last_saved} in {self.step_path(self.last_saved)}"
-
-
-def read_params(name: str, abstract_params: Any) -> Any:
-  """The parameters at `checkpoint.load_params` = `name`, restored into `abstract_params`' shapes and shardings.
-
-  `name` is a parameters directory (an Orbax PyTree as scripts/convert_hf.py import writes it, or a directory holding
-  `params/`) or a training checkpoint step (`<step>/state`, whose `params` subtree is read and the optimizer state
-  skipped). Training (`checkpoint.load_params`) and maxctx.eval both read parameters here.
-  """
-  path = _path(name)
-  for inner in ("params", STATE):  # A convert_hf.py output directory, or a step of a training run.
-    if (path / inner).is_dir():
-      path = path / inner
-      break
-  if not path.is_dir():
-    raise CheckpointError(f"checkpoint.load_params {path} is not a directory; pass the output of "
-                          "scripts/convert_hf.py import or a checkpoint step directory.")
-  where = f"checkpoint.load_params {path}"
-  fix = ("set the model.* keys to those the parameters were made with (convert_hf.py writes them to model.yml "
-         "beside params/; a run's config.yml holds them).")
-  with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
-    try:
-      tree = checkpointer.metadata(path).item_metadata.tree
-    except Exception as e:  # noqa: BLE001
-      raise CheckpointError(f"{where} is not a readable Orbax checkpoint ({_why(e)}); pass the params directory "
-                            "scripts/convert_hf.py import wrote, or a checkpoint step.") from None
-    # A training checkpoint holds the params under 'params' next to the optimizer state; only that subtree is read.
-    nested = isinstance(tree, dict) and "params" in tree and "opt_state" in tree
-    check_tree({"params": tree["params"] if nested else tree}, {"params": abstract_params}, where, fix)
-    target = {"params": abstract_params} if nested else abstract_params
-    t = time.perf_counter()
-    restored = checkpointer.restore(path, args=ocp.args.PyTreeRestore(
-        target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=nested))
-  log.info("checkpoint: loaded parameters from %s in %.1fs", path, time.perf_counter() - t)
-  return restored["params"] if nested else restored
 
 
 def _state_from_params(trainer: Trainer, params: Any) -> TrainState:

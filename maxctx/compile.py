@@ -131,7 +131,9 @@ def topology_devices(topo: topology_lib.Topology, num_slices: int = 1) -> list:
     if "lockfile" in str(e):
       raise ConfigError(f"libtpu is held by another process ({str(e).splitlines()[0]}); wait for it or set "
                         "ALLOW_MULTIPLE_LIBTPU_LOAD=true.") from None
-    if "libtpu" in str(e).lower() or "tpu" in str(e).lower() and "not found" in str(e).lower():
+    # jax says "JAX TPU support not installed" when libtpu is absent; older releases named libtpu or "not found".
+    text = str(e).lower()
+    if "libtpu" in text or "tpu" in text and ("not found" in text or "not installed" in text):
       raise ConfigError(f"compiling for {topo.name} needs libtpu, which did not load ({str(e).splitlines()[0]}); "
                         "install the tpu extra: pip install -e '.[tpu]'.") from None
     raise

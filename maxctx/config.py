@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import pathlib
 import types
 import typing
@@ -344,13 +345,19 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
       except ValueError:
         pass
   elif tp is float:
+    number = None
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-      return float(value)
-    if isinstance(value, str):  # PyYAML reads 3e-4 (no dot) as a string.
+      number = float(value)
+    elif isinstance(value, str):  # PyYAML reads 3e-4 (no dot) as a string.
       try:
-        return float(value)
+        number = float(value)
       except ValueError:
         pass
+    if number is not None:
+      # nan or inf would compile and run, and fail steps later with a message about something else.
+      if not math.isfinite(number):
+        raise ConfigError(f"config key {key} is {value!r}; it must be a finite number.")
+      return number
   elif tp is str:
     if isinstance(value, str):
       return value

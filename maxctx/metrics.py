@@ -90,6 +90,11 @@ class Writer:
              step, self.total_steps, values["loss"], f"{values['tokens_per_sec']:,.0f}", 100 * values["mfu"],
              values["step_time"], values["learning_rate"], values["grad_norm"], eta)
 
+  def flush(self) -> None:
+    """Writes the scalars so far to disk (they are otherwise buffered for up to 10 s)."""
+    if self._tb is not None:
+      self._tb.flush()
+
   def close(self) -> None:
     if self._tb is not None:
       self._tb.close()

@@ -7,11 +7,14 @@ i+1 is dispatched, so the host never makes the devices wait; at a save the step'
 waits for that step anyway), so a non-finite step stops the run before its state is saved.
 
 SIGTERM saves at the next step boundary and returns normally (exit 0); rerunning the same command continues from the
-newest complete checkpoint with the losses an uninterrupted run would have had.
+newest complete checkpoint with the losses an uninterrupted run would have had. Before the first step is dispatched
+there is nothing to save and SIGTERM ends the process at once (maxctx.preemption). The run holds its directory with a
+lock for its whole life (maxctx.run_dir).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import pathlib
@@ -27,6 +30,8 @@ from maxctx import data as data_lib
 from maxctx import distributed
 from maxctx import mesh as mesh_lib
 from maxctx import metrics as metrics_lib
+from maxctx import preemption as preemption_lib
+from maxctx import run_dir as run_dir_lib
 from maxctx.eval import sweep as eval_sweep
 from maxctx.errors import ConfigError, MaxctxError, exit_code
 from maxctx.trainer import Trainer, offloaded_bytes_per_device, validate
@@ -42,71 +47,93 @@ def setup_logging() -> None:
   logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {prefix}%(message)s", datefmt="%H:%M:%S",
                       stream=sys.stdout, force=True)
   # Orbax and grain log each file they write at INFO through absl; maxctx logs one line per save and restore instead.
-  logging.getLogger("absl").setLevel(logging.WARNING)
+  absl = logging.getLogger("absl")
+  absl.setLevel(logging.WARNING)
+  absl.addFilter(_reported_by_maxctx)
+
+
+def _reported_by_maxctx(record: logging.LogRecord) -> bool:
+  """Drops Orbax's traceback of a save that failed writing (no space, no permission): the run stops with one sentence
+  naming the step instead (checkpoint.Checkpoints.save)."""
+  return not (record.exc_info and checkpoint_lib.os_error(record.exc_info[1]))
 
 
 def run(config: config_lib.Config) -> list[float]:
-  """Trains `config` (resuming its checkpoints as checkpoint.resume says); returns the loss of every step it ran."""
+  """Trains `config` (resuming its checkpoints as checkpoint.resume says); returns the loss of every step it ran.
+
+  Everything a user can get wrong (config, data, parameters to load, the run directory) is refused before the run
+  directory is written; config.yml, TensorBoard and checkpoints appear only once the state is restored or made."""
   devices = jax.devices()
   sizes = validate(config, len(devices), mesh_lib.num_slices_of(devices))
   _check_host_memory(config, sizes)
+  checkpoint_lib.validate(config)
+  run_dir_lib.check_writable(config.run.output_dir)
   mesh = mesh_lib.build_mesh(config.mesh, devices)
   out_dir = pathlib.Path(config.run.output_dir)
-  # Before config.yml is written: a directory holding another run's checkpoints is refused untouched.
-  checkpoints = checkpoint_lib.Checkpoints(config, mesh)
-  if jax.process_index() == 0:
-    config_lib.save(config, out_dir)
-  log.info("resolved config (saved to %s):\n%s", out_dir / "config.yml", config.to_yaml())
   log.info("mesh %s on %d %s device(s)", dict(mesh.shape), len(devices), devices[0].device_kind)
 
-  m = config.model
-  reporter = _Reporter(config, len(devices))
-  log.info("model %s: %.3gM parameters; %.3g TFLOP per step; peak %.3g TFLOP/s per device (%s)",
-           m.preset or "custom", metrics_lib.param_count(m) / 1e6, reporter.flops / 1e12, reporter.peak,
-           reporter.peak_source)
-  with jax.set_mesh(mesh), checkpoints, checkpoint_lib.Preemption() as preemption, reporter:
+  with jax.set_mesh(mesh), preemption_lib.Preemption() as preemption:
     trainer = Trainer(config, mesh)
     pipeline = data_lib.build(config, mesh)
+    pipeline.check_first_batch()
     evaluator = eval_sweep.during_training(config, mesh)  # None unless eval.every_steps; checked before compiling
-    state = checkpoints.restore_or_init(trainer, pipeline)
-    start = int(jax.device_get(state.step))
-    if start >= config.run.steps:
-      log.info("done already: the checkpoint is at step %d and run.steps is %d; raise run.steps to train on.", start,
-               config.run.steps)
-      return []
-    pending = None
-    for step in range(start, config.run.steps):
-      state, step_metrics = trainer.step(state, next(pipeline))
-      if pending is not None:
-        reporter.report(*pending, checkpoints)
-      pending = (step, step_metrics)
-      done = step + 1
-      stop = preemption.requested(done)
-      save = stop or checkpoints.due(done)
-      evaluate = evaluator is not None and (done % config.eval.every_steps == 0 or done == config.run.steps)
-      if save or evaluate:
-        # A save or an eval waits for this step's state anyway, so its metrics cost nothing now; and a non-finite
-        # step stops the run before its state is saved: every checkpoint holds a good state.
-        reporter.report(*pending, checkpoints)
-        pending = None
-        if save:
-          checkpoints.save(done, state, pipeline.state(), wait=stop)
-        if evaluate:
-          records = evaluator.run(state.params)
-          reporter.writer.scalars(done, eval_sweep.scalars(records))
-          log.info("eval at step %d: %s", done, eval_sweep.summary(records))
-        reporter.restart_clock()   # the save's or eval's host time is not the next step's
-      if stop:
-        then = "rerun the same command to continue" if checkpoints.enabled else "a rerun starts over"
-        log.info("preempted: stopped after step %d; %s; %s.", done, checkpoints.last_good(), then)
-        break
-    if pending is not None:
-      reporter.report(*pending, checkpoints)
-    jax.block_until_ready(state)
+    if config.checkpoint.load_params:
+      checkpoint_lib.check_params(config.checkpoint.load_params, checkpoint_lib.abstract_state(trainer).params)
+    # Holding the directory before Checkpoints looks at it: a second run must not clean up the first one's saves.
+    with run_dir_lib.RunDir(config.run.output_dir) as run_dir, checkpoint_lib.Checkpoints(config, mesh) as checkpoints:
+      state = checkpoints.restore_or_init(trainer, pipeline)
+      if jax.process_index() == 0:
+        config_lib.save(config, out_dir)
+      log.info("resolved config (saved to %s):\n%s", out_dir / "config.yml", config.to_yaml())
+      start = int(jax.device_get(state.step))
+      if start >= config.run.steps:
+        log.info("done already: the checkpoint is at step %d and run.steps is %d; raise run.steps to train on.", start,
+                 config.run.steps)
+        return []
+      with _Reporter(config, len(devices)) as reporter:
+        _loop(config, trainer, pipeline, evaluator, state, start, checkpoints, preemption, reporter, run_dir)
   if reporter.losses:
     log.info("done: %d steps, final loss %.4f; TensorBoard: tensorboard --logdir %s", len(reporter.losses),
              reporter.losses[-1], out_dir / "tensorboard")
   return reporter.losses
+
+
+def _loop(config, trainer, pipeline, evaluator, state, start, checkpoints, preemption, reporter, run_dir) -> None:
+  pending = None
+  for step in range(start, config.run.steps):
+    state, step_metrics = trainer.step(state, next(pipeline))
+    reporter.dispatched(step, step_metrics)
+    if step == start:
+      preemption.started()
+    if pending is not None:
+      reporter.report(pending, checkpoints)
+      run_dir.keep()
+    pending = step
+    done = step + 1
+    stop = preemption.requested(done)
+    save = stop or checkpoints.due(done)
+    evaluate = evaluator is not None and (done % config.eval.every_steps == 0 or done == config.run.steps)
+    if save or evaluate:
+      # A save or an eval waits for this step's state anyway, so its metrics cost nothing now; and a non-finite
+      # step stops the run before its state is saved: every checkpoint holds a good state.
+      reporter.report(pending, checkpoints)
+      run_dir.keep()
+      pending = None
+      if save:
+        reporter.writer.flush()  # A run killed after this save keeps every step's scalars up to it.
+        checkpoints.save(done, state, pipeline.state(), wait=stop)
+      if evaluate:
+        records = evaluator.run(state.params)
+        reporter.writer.scalars(done, eval_sweep.scalars(records))
+        log.info("eval at step %d: %s", done, eval_sweep.summary(records))
+      reporter.restart_clock()   # the save's or eval's host time is not the next step's
+    if stop:
+      then = "rerun the same command to continue" if checkpoints.enabled else "a rerun starts over"
+      log.info("preempted: stopped after step %d; %s; %s.", done, checkpoints.last_good(), then)
+      break
+  if pending is not None:
+    reporter.report(pending, checkpoints)
+  jax.block_until_ready(state)
 
 
 def host_memory_bytes() -> int:
@@ -133,19 +160,37 @@ def _check_host_memory(config: config_lib.Config, sizes: dict[str, int]) -> None
                       "devices on mesh.ici.context, or a shorter data.seq_len.")
 
 
+def _finished_at(step_metrics) -> float:
+  try:
+    jax.block_until_ready(step_metrics)
+  except Exception:  # noqa: BLE001 — the step's own failure is raised where its metrics are read.
+    pass
+  return time.perf_counter()
+
+
 class _Reporter:
-  """Reads each step's metrics (after the next step is dispatched) and writes them to the console and TensorBoard."""
+  """Reads each step's metrics (after the next step is dispatched) and writes them to the console and TensorBoard.
+
+  A step's time runs from the moment the step before it finished (or the clock restarted) to the moment it finished,
+  both seen by a thread that does nothing but wait for each dispatched step. The moment the main thread reads the
+  metrics is no clock: it lags whenever dispatch or the host is slow, and the step read right after it at a save
+  would then seem to take no time at all.
+  """
 
   def __init__(self, config: config_lib.Config, n_devices: int):
     m, d = config.model, config.data
     self.config, self.n_devices = config, n_devices
     self.flops = metrics_lib.flops_per_step(m, d.batch_size, d.seq_len)
     self.peak, self.peak_source = metrics_lib.peak_tflops_per_device(config.metrics.peak_tflops, m.dtype)
+    log.info("model %s: %.3gM parameters; %.3g TFLOP per step; peak %.3g TFLOP/s per device (%s)",
+             m.preset or "custom", metrics_lib.param_count(m) / 1e6, self.flops / 1e12, self.peak, self.peak_source)
     out_dir = pathlib.Path(config.run.output_dir)
     self.writer = metrics_lib.Writer(out_dir / "tensorboard" if config.metrics.tensorboard else None,
                                      config.run.steps)
     self.losses: list[float] = []
     self.steady: list[float] = []
+    self._clock = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="maxctx-step-clock")
+    self._dispatched: dict[int, tuple[dict, concurrent.futures.Future]] = {}
     self.last_time = time.perf_counter()
     self.first = True
 
@@ -153,19 +198,25 @@ class _Reporter:
     return self
 
   def __exit__(self, *exc) -> None:
+    self._clock.shutdown(wait=True)
     self.writer.close()
 
+  def dispatched(self, step: int, step_metrics: dict) -> None:
+    """Step `step` is on its way; its clock stops when it finishes."""
+    self._dispatched[step] = (step_metrics, self._clock.submit(_finished_at, step_metrics))
+
   def restart_clock(self) -> None:
-    """The next step's time counts from now: what the host did since the last report was not training."""
+    """The next step's time counts from now: what the host did since the last step finished was not training."""
     self.last_time = time.perf_counter()
 
-  def report(self, step: int, step_metrics, checkpoints: checkpoint_lib.Checkpoints) -> None:
+  def report(self, step: int, checkpoints: checkpoint_lib.Checkpoints) -> None:
     """Fetches step `step`'s metrics and logs them; a non-finite step stops the run under run.on_nan=stop."""
     config = self.config
+    step_metrics, finished = self._dispatched.pop(step)
     values = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
-    now = time.perf_counter()
-    step_time = now - self.last_time
-    self.last_time = now
+    end = finished.result()
+    step_time = end - self.last_time
+    self.last_time = end
     if not self.first:  # The first step of a process includes compilation.
       self.steady.append(step_time)
     self.first = False

@@ -39,6 +39,20 @@ def validate(config: Config, num_devices: int, num_slices: int = 1, platform: st
                             ("checkpoint.every_steps", config.checkpoint.every_steps, 0)):
     if value < least:
       raise ConfigError(f"{key} is {value}; it must be at least {least}.")
+  if d.seq_len < 2:
+    raise ConfigError(f"data.seq_len is {d.seq_len}; a sequence needs at least 2 tokens (an input and its target).")
+  # (key, value, least, most, whether the least itself is allowed): 0 switches lr decay, weight decay, clipping, a
+  # momentum and the peak override off; an epsilon, a scale or a base of 0 breaks the numerics.
+  for key, value, least, most, closed in (
+      ("optim.lr", o.lr, 0.0, None, True), ("optim.min_lr_ratio", o.min_lr_ratio, 0.0, 1.0, True),
+      ("optim.b1", o.b1, 0.0, 1.0, True), ("optim.b2", o.b2, 0.0, 1.0, True), ("optim.eps", o.eps, 0.0, None, False),
+      ("optim.weight_decay", o.weight_decay, 0.0, None, True), ("optim.clip_norm", o.clip_norm, 0.0, None, True),
+      ("model.norm_eps", m.norm_eps, 0.0, None, False), ("model.rope_theta", m.rope_theta, 0.0, None, False),
+      ("model.init_std", m.init_std, 0.0, None, False),
+      ("metrics.peak_tflops", config.metrics.peak_tflops, 0.0, None, True)):
+    if value < least or (value == least and not closed) or (most is not None and value > most):
+      allowed = f"in [{least:g}, {most:g}]" if most is not None else f"{'at least' if closed else 'above'} {least:g}"
+      raise ConfigError(f"{key} is {value:g}; it must be {allowed}.")
   if m.n_heads % m.n_kv_heads:
     raise ConfigError(f"model.n_heads {m.n_heads} is not a multiple of model.n_kv_heads {m.n_kv_heads}; "
                       "grouped-query attention needs each KV head to serve the same number of query heads.")
@@ -56,7 +70,7 @@ def validate(config: Config, num_devices: int, num_slices: int = 1, platform: st
   if micro % batch_shards:
     raise ConfigError(f"a microbatch of {micro} sequences (data.batch_size / optim.grad_accum) does not split over "
                       f"the {batch_shards} data×fsdp shards of the mesh; make it a multiple of {batch_shards}.")
-  if d.seq_len < 2 or d.seq_len % sizes["context"]:
+  if d.seq_len % sizes["context"]:
     raise ConfigError(f"data.seq_len {d.seq_len} is not divisible by the context degree {sizes['context']}; "
                       f"choose a multiple of {sizes['context']}.")
   if config.run.steps < 1:

@@ -80,7 +80,14 @@ def import_hf(hf_dir: str | pathlib.Path, out_dir: str | pathlib.Path, scan_laye
   config_path = hf_dir / "config.json"
   if not config_path.exists():
     raise CheckpointError(f"{hf_dir} has no config.json; pass the directory save_pretrained wrote.")
-  overrides = hf.model_config_from_hf(json.loads(config_path.read_text()))
+  try:
+    hf_config = json.loads(config_path.read_text())
+  except (ValueError, UnicodeDecodeError) as e:
+    raise CheckpointError(f"{config_path} is not valid JSON ({e}); pass the directory save_pretrained wrote.") from None
+  if not isinstance(hf_config, dict):
+    raise CheckpointError(f"{config_path} holds a {type(hf_config).__name__}, not a JSON object; pass the directory "
+                          "save_pretrained wrote.")
+  overrides = hf.model_config_from_hf(hf_config)
   overrides["model.scan_layers"] = scan_layers
   # Builds the full ModelConfig now so a value maxctx's schema rejects fails before any tensor is read.
   model_cfg = config_lib.load(None).replace(**overrides).model
@@ -106,12 +113,23 @@ def _restore_params(params_dir: pathlib.Path) -> dict:
   import jax
   import orbax.checkpoint as ocp
 
+  from maxctx import params_io
+
   params_dir = params_dir.resolve()
   if not params_dir.exists():
     raise CheckpointError(f"params directory {params_dir} does not exist; pass the directory convert_hf.py import "
                           "or a training checkpoint wrote.")
   with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
-    tree = checkpointer.metadata(params_dir).item_metadata.tree
+    try:
+      with params_io.quiet_orbax():
+        tree = getattr(checkpointer.metadata(params_dir).item_metadata, "tree", None)
+    except Exception as e:  # noqa: BLE001 — Orbax's reasons vary; the sentence names the directory and the fix.
+      tree, failure = None, f" ({params_io.why(e)})"
+    else:
+      failure = ""
+    if tree is None:
+      raise CheckpointError(f"params directory {params_dir} is not an Orbax checkpoint{failure}; pass the params/ "
+                            "directory convert_hf.py import wrote, or <run>/checkpoints/<step>/state.")
     under_params = isinstance(tree, Mapping) and "params" in tree
     if under_params:
       tree = {"params": tree["params"]}

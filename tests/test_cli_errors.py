@@ -1,32 +1,219 @@
-"""A user's mistake ends the run with one sentence on stderr, a non-zero exit, and no traceback."""
+"""A user's mistake ends the command with one sentence, and nothing else.
 
+A catalogue of bad inputs to every entry point (maxctx.train, maxctx.eval, maxctx.bench, maxctx.compile and
+scripts/convert_hf.py), each run as the user runs it: exit code 2, exactly one stderr line starting with `error:`, no
+traceback anywhere, and nothing under run.output_dir created or changed. Almost every case stops before JAX compiles
+anything; the few that need a fault the machine cannot produce (no libtpu) go through tests/faults/inject.py.
+"""
+
+from __future__ import annotations
+
+import json
 import os
+import pathlib
 import subprocess
 import sys
 
 import pytest
 
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 ENV = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+INJECT = str(ROOT / "tests" / "faults" / "inject.py")
 
 
-def _train(*args):
-  return subprocess.run([sys.executable, "-m", "maxctx.train", "configs/demo.yml", *args], capture_output=True,
-                        text=True, env=ENV, timeout=120, cwd=os.path.dirname(os.path.dirname(__file__)))
+def _tree(root: pathlib.Path) -> dict[str, bytes | None] | None:
+  """Every path under `root` with its bytes (None for a directory); None if `root` does not exist."""
+  if not root.exists():
+    return None
+  if root.is_file():
+    return {".": root.read_bytes()}
+  return {str(p.relative_to(root)): (p.read_bytes() if p.is_file() else None) for p in sorted(root.rglob("*"))}
 
 
-@pytest.mark.parametrize("args, fragments", [
-    (["optim.lerning_rate=1"], ["unknown config key optim.lerning_rate", "did you mean optim.lr?"]),
-    (["run.steps=ten"], ["run.steps expects int", "'ten'"]),
-    (["mesh.ici.fsdp=1", "mesh.ici.context=2"], ["multiply to 2", "8 devices"]),
-    (["mesh.ici.fsdp=1", "mesh.ici.context=1", "mesh.ici.tensor=8"], ["model.n_heads 4", "tensor degree 8"]),
-    (["mesh.ici.fsdp=1", "mesh.ici.context=2", "mesh.ici.tensor=4"], ["model.n_kv_heads 2", "tensor degree 4"]),
-    (["attention.strategy=rign"], ["attention.strategy 'rign'", "did you mean"]),
-])
-def test_user_errors_are_one_sentence_without_traceback(args, fragments):
-  result = _train(*args, "run.output_dir=/tmp/maxctx-cli-errors")
-  assert result.returncode != 0
-  assert "Traceback" not in result.stderr
-  lines = [l for l in result.stderr.splitlines() if l.strip()]
-  assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+@pytest.fixture(scope="module")
+def fx(tmp_path_factory) -> dict[str, pathlib.Path]:
+  """Files the bad inputs point at."""
+  d = tmp_path_factory.mktemp("inputs")
+  from maxctx.data import sources, tokenizers
+  tokenizers.train_sentencepiece((sources.read_text(f) for f in sources.stdlib_files()[:60]), d / "tok.model", 320)
+  (d / "afile").write_text("not a directory\n")
+  (d / "empty").mkdir()
+  (d / "data").mkdir()
+  (d / "data" / "nofield.jsonl").write_text("".join(json.dumps({"body": f"text {i}"}) + "\n" for i in range(20)))
+  (d / "data" / "notjson.jsonl").write_text('{"text": "fine"}\n{"text": \n')
+  (d / "data" / "badutf.jsonl").write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')
+  (d / "data" / "badutf.txt").write_bytes(b"line one\nline two \xff\xfe here\n")
+  (d / "data" / "blank.txt").write_text("")
+  (d / "data" / "oob.jsonl").write_text(json.dumps({"text": [1, 2, 99999]}) + "\n")
+  (d / "data" / "notlist.jsonl").write_text(json.dumps({"text": "words, not ids"}) + "\n")
+  (d / "bad.yml").write_text("run: [unclosed\n")
+  (d / "list.yml").write_text("- a\n- b\n")
+  (d / "run" / "checkpoints" / "4" / "state").mkdir(parents=True)
+  (d / "run" / "config.yml").write_text("run:\n  steps: 4\n")
+  (d / "notckpt" / "params").mkdir(parents=True)
+  (d / "notckpt" / "params" / "README").write_text("not an Orbax checkpoint\n")
+  (d / "hf_gpt2").mkdir()
+  (d / "hf_gpt2" / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+  (d / "hf_badjson").mkdir()
+  (d / "hf_badjson" / "config.json").write_text("{not json")
+  (d / "hf_list").mkdir()
+  (d / "hf_list" / "config.json").write_text("[1, 2]")
+  (d / "export_out").mkdir()
+  (d / "export_out" / "old.safetensors").write_text("an older export\n")
+  return d
+
+
+# (id, entry point, arguments, fragments of the sentence). In arguments, {OUT} is this case's run.output_dir and
+# {F} the fixture directory. Entry points: train, eval, bench, compile (python -m maxctx.<name> configs/demo.yml
+# run.output_dir={OUT} ...), convert (python scripts/convert_hf.py ...), and inject:<fault>:<module> (the module's
+# command under tests/faults/inject.py).
+CASES = [
+    # Config keys and values.
+    ("unknown-key", "train", ["optim.lerning_rate=1"], ["unknown config key optim.lerning_rate", "optim.lr?"]),
+    ("unknown-section", "train", ["optimiser.lr=1"], ["optimiser"]),
+    ("not-an-int", "train", ["run.steps=ten"], ["run.steps expects int", "'ten'"]),
+    ("not-a-float", "train", ["optim.lr=fast"], ["optim.lr expects float"]),
+    ("lr-nan", "train", ["optim.lr=nan"], ["optim.lr", "finite"]),
+    ("lr-inf", "train", ["optim.lr=inf"], ["optim.lr", "finite"]),
+    ("lr-negative", "train", ["optim.lr=-0.1"], ["optim.lr is -0.1"]),
+    ("b2-above-one", "train", ["optim.b2=1.5"], ["optim.b2 is 1.5", "[0, 1]"]),
+    ("eps-zero", "train", ["optim.eps=0"], ["optim.eps is 0", "above 0"]),
+    ("norm-eps-nan", "train", ["model.norm_eps=nan"], ["model.norm_eps", "finite"]),
+    ("rope-theta-zero", "train", ["model.rope_theta=0"], ["model.rope_theta is 0"]),
+    ("peak-negative", "train", ["metrics.peak_tflops=-1"], ["metrics.peak_tflops is -1"]),
+    ("bad-choice", "train", ["model.dtype=float16"], ["model.dtype must be one of"]),
+    ("not-key-value", "train", ["steps"], ["not of the form section.key=value"]),
+    ("section-as-value", "train", ["run=3"], ["run"]),
+    ("missing-config", "train:nofile", [], ["cannot read config file"]),
+    ("bad-yaml", "train:{F}/bad.yml", [], ["is not valid YAML"]),
+    ("yaml-list", "train:{F}/list.yml", [], ["must hold a mapping"]),
+    ("unknown-preset", "train", ["model.preset=llama9"], ["model preset 'llama9'"]),
+    # Shapes, mesh and strategy.
+    ("seq-len-zero", "train", ["data.seq_len=0"], ["data.seq_len is 0", "at least 2"]),
+    ("seq-len-negative", "train", ["data.seq_len=-64"], ["data.seq_len is -64", "at least 2"]),
+    ("seq-len-indivisible", "train", ["data.seq_len=100"], ["data.seq_len 100"]),
+    ("batch-zero", "train", ["data.batch_size=0"], ["data.batch_size is 0"]),
+    ("steps-zero", "train", ["run.steps=0"], ["run.steps is 0"]),
+    ("mesh-product", "train", ["mesh.ici.fsdp=1", "mesh.ici.context=2"], ["multiply to 2", "8 devices"]),
+    ("mesh-two-inferred", "train", ["mesh.ici.fsdp=-1", "mesh.ici.context=-1"], ["at most one axis"]),
+    ("mesh-zero", "train", ["mesh.ici.fsdp=0"], ["mesh.ici.fsdp is 0"]),
+    ("tensor-heads", "train", ["mesh.ici.fsdp=1", "mesh.ici.context=1", "mesh.ici.tensor=8"],
+     ["model.n_heads 4", "tensor degree 8"]),
+    ("tensor-kv-heads", "train", ["mesh.ici.fsdp=1", "mesh.ici.context=2", "mesh.ici.tensor=4"],
+     ["model.n_kv_heads 2", "tensor degree 4"]),
+    ("strategy-typo", "train", ["attention.strategy=rign"], ["attention.strategy 'rign'", "did you mean"]),
+    ("kernel-unknown", "train", ["attention.kernel=fast"], ["attention.kernel"]),
+    ("heads-not-multiple", "train", ["model.n_heads=3", "model.n_kv_heads=2"], ["model.n_heads 3"]),
+    ("grad-accum", "train", ["optim.grad_accum=3"], ["optim.grad_accum 3"]),
+    ("loss-chunk-zero", "train", ["model.loss_chunk=0"], ["model.loss_chunk is 0"]),
+    ("keep-zero", "train", ["checkpoint.keep=0"], ["checkpoint.keep is 0"]),
+    ("resume-word", "train", ["checkpoint.resume=latest"], ["checkpoint.resume is 'latest'"]),
+    ("coordinator-alone", "train", ["--coordinator=10.0.0.1:1234"], ["go together"]),
+    # The run directory.
+    ("out-is-file", "train:out={F}/afile", [], ["is a file"]),
+    ("out-under-file", "train:out={F}/afile/run", [], ["which is not a directory"]),
+    ("out-not-writable", "train:out=/proc/sys/maxctx-run", [], ["/proc/sys", "is not writable"]),
+    ("out-cannot-create", "train:out=/proc/maxctx-run", [], ["cannot create run.output_dir /proc/maxctx-run"]),
+    ("resume-n-without-checkpoints", "train", ["checkpoint.resume=5"], ["checkpoint.resume=5", "holds no checkpoints"]),
+    # Data.
+    ("data-path-missing", "train", ["data.source=jsonl", "data.path={F}/nothing.jsonl"], ["does not exist"]),
+    ("data-glob-empty", "train", ["data.source=jsonl", "data.path={F}/*.parquet"], ["matches no files"]),
+    ("data-dir-empty", "train", ["data.source=jsonl", "data.path={F}/empty"], ["is an empty directory"]),
+    ("data-text-without-tokenizer", "train", ["data.source=text", "data.path={F}/data/badutf.txt"],
+     ["needs data.tokenizer"]),
+    ("data-all-blank", "train", ["data.source=text", "data.path={F}/data/blank.txt", "data.tokenizer={F}/tok.model"],
+     ["holds no documents"]),
+    ("data-no-field", "train", ["data.source=jsonl", "data.path={F}/data/nofield.jsonl", "data.tokenizer={F}/tok.model"],
+     ["nofield.jsonl line", "has no field 'text'"]),
+    ("data-no-field-skip", "train", ["data.source=jsonl", "data.path={F}/data/nofield.jsonl", "data.tokenizer={F}/tok.model",
+                                     "data.bad_records=skip"], ["yields no usable document", "none of its 20 records"]),
+    ("data-not-json", "train", ["data.source=jsonl", "data.path={F}/data/notjson.jsonl", "data.tokenizer={F}/tok.model"],
+     ["notjson.jsonl line 2 is not JSON"]),
+    ("data-jsonl-not-utf8", "train", ["data.source=jsonl", "data.path={F}/data/badutf.jsonl",
+                                      "data.tokenizer={F}/tok.model"], ["badutf.jsonl line 2 is not UTF-8"]),
+    ("data-text-not-utf8", "train", ["data.source=text", "data.path={F}/data/badutf.txt", "data.tokenizer={F}/tok.model"],
+     ["badutf.txt line 2 is not UTF-8", "byte 0xff"]),
+    ("data-token-out-of-vocab", "train", ["data.source=jsonl", "data.path={F}/data/oob.jsonl"],
+     ["token id 99999", "model.vocab_size"]),
+    ("data-text-not-ids", "train", ["data.source=jsonl", "data.path={F}/data/notlist.jsonl"],
+     ["holds no list of token ids"]),
+    ("data-tokenizer-missing", "train", ["data.tokenizer={F}/nothing.model"], ["nothing.model"]),
+    # Parameters to start from.
+    ("load-params-run-dir", "train", ["checkpoint.load_params={F}/run"], ["is a run directory", "checkpoints/4"]),
+    ("load-params-missing", "train", ["checkpoint.load_params={F}/nothing"], ["is not a directory"]),
+    ("load-params-not-orbax", "train", ["checkpoint.load_params={F}/notckpt"], ["is not a readable Orbax checkpoint"]),
+    # maxctx.eval
+    ("eval-samples-zero", "eval", ["--samples=0"], ["eval samples is 0"]),
+    ("eval-task-file-missing", "eval", ["--files={F}/nothing.jsonl"], ["nothing.jsonl does not exist"]),
+    ("eval-unknown-task", "eval", ["--tasks=passkee"], ["passkee"]),
+    ("eval-bad-depth", "eval", ["--depths=1.5"], ["1.5"]),
+    ("eval-bad-length", "eval", ["--lengths=lots"], ["lots"]),
+    ("eval-load-params-run-dir", "eval", ["checkpoint.load_params={F}/run"], ["is a run directory"]),
+    ("eval-unknown-key", "eval", ["eval.sample=2"], ["unknown config key eval.sample"]),
+    # maxctx.bench
+    ("bench-unknown-strategy", "bench", ["--strategies=rings"], ["rings"]),
+    ("bench-bad-length", "bench", ["--lengths=10q"], ["10q"]),
+    ("bench-steps-zero", "bench", ["--steps=0"], ["--steps 0"]),
+    ("bench-unknown-topology", "bench", ["--topology=v9x-8"], ["v9x-8"]),
+    # maxctx.compile
+    ("compile-no-topology", "compile", [], ["no TPU topology"]),
+    ("compile-bad-topology", "compile", ["compile.topology=v5p-7"], ["v5p-7"]),
+    ("compile-unknown-key", "compile", ["compile.topo=v5p-8"], ["unknown config key compile.topo"]),
+    ("compile-slices-zero", "compile", ["compile.topology=v5p-8", "compile.num_slices=0"], ["compile.num_slices is 0"]),
+    ("compile-without-libtpu", "inject:no-libtpu:maxctx.compile", ["compile.topology=v5p-16"],
+     ["needs libtpu", "JAX TPU support not installed"]),
+    # scripts/convert_hf.py
+    ("convert-import-no-config", "convert", ["import", "{F}/empty", "{OUT}"], ["has no config.json"]),
+    ("convert-import-not-llama", "convert", ["import", "{F}/hf_gpt2", "{OUT}"], ["model_type is 'gpt2'"]),
+    ("convert-import-bad-json", "convert", ["import", "{F}/hf_badjson", "{OUT}"], ["is not valid JSON"]),
+    ("convert-import-json-list", "convert", ["import", "{F}/hf_list", "{OUT}"], ["not a JSON object"]),
+    ("convert-export-missing", "convert", ["export", "{F}/nothing", "configs/demo.yml", "{OUT}"], ["does not exist"]),
+    ("convert-export-not-orbax", "convert", ["export", "{F}/notckpt/params", "configs/demo.yml", "{OUT}"],
+     ["is not an Orbax checkpoint"]),
+    ("convert-export-not-empty", "convert:out={F}/export_out", ["export", "{F}/run", "configs/demo.yml", "{OUT}"],
+     ["is not empty"]),
+]
+
+
+def _command(entry: str, args: list[str], out: pathlib.Path, f: pathlib.Path) -> tuple[list[str], pathlib.Path]:
+  kind, _, option = entry.partition(":")
+  if option.startswith("out="):
+    out, option = pathlib.Path(option[4:].format(F=f)), ""
+  args = [a.format(OUT=out, F=f) for a in args]
+  if kind == "convert":
+    return [sys.executable, "scripts/convert_hf.py", *args], out
+  config = "configs/demo.yml"
+  if kind == "train" and option:
+    config = option.format(F=f)
+  if kind == "inject":
+    fault, module = option.split(":")
+    return [sys.executable, INJECT, fault, module, config, f"run.output_dir={out}", *args], out
+  return [sys.executable, "-m", f"maxctx.{kind}", config, f"run.output_dir={out}", *args], out
+
+
+@pytest.mark.parametrize("entry, args, fragments", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input_is_one_sentence_and_touches_nothing(entry, args, fragments, fx, tmp_path):
+  out = tmp_path / "out"
+  command, out = _command(entry, args, out, fx)
+  before = _tree(out)
+  result = subprocess.run(command, capture_output=True, text=True, env=ENV, timeout=300, cwd=ROOT)
+  assert result.returncode == 2, (result.returncode, result.stderr[-3000:])
+  assert "Traceback" not in result.stderr + result.stdout, result.stderr[-3000:]
+  errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+  assert len(errors) == 1, result.stderr
+  assert result.stderr.rstrip().splitlines()[-1] == errors[0], result.stderr  # Nothing printed after the sentence.
   for fragment in fragments:
-    assert fragment in lines[0]
+    assert fragment.format(F=fx) in errors[0], errors[0]
+  assert _tree(out) == before, f"{out} changed"
+
+
+def test_train_errors_print_only_the_sentence_on_stderr(tmp_path):
+  # Training logs go to stdout; stderr holds the sentence and nothing else.
+  result = subprocess.run([sys.executable, "-m", "maxctx.train", "configs/demo.yml", f"run.output_dir={tmp_path}/o",
+                           "attention.strategy=rign"], capture_output=True, text=True, env=ENV, timeout=120, cwd=ROOT)
+  assert result.returncode == 2
+  assert [l for l in result.stderr.splitlines() if l.strip()] == [result.stderr.strip()]
+
+
+def test_catalogue_is_large():
+  assert len(CASES) >= 60 and len({c[0] for c in CASES}) == len(CASES)

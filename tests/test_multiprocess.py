@@ -107,8 +107,10 @@ def _worker(argv: list[str]) -> None:
   import jax
   jax.config.update("jax_default_matmul_precision", "highest")
   train.setup_logging()
+  # One run directory per job: the processes of a job share it, and a second job on it would be refused.
+  job = pathlib.Path(out).stem.rstrip("0123456789")
   config = config_lib.load(None, OVERRIDES + [f"run.steps={steps}",
-                                              f"run.output_dir={pathlib.Path(out).parent / 'run'}"])
+                                              f"run.output_dir={pathlib.Path(out).parent / f'run-{job}'}"])
   losses = train.run(config)
   mesh_processes = {d.process_index for d in jax.devices()}
   pathlib.Path(out).write_text(json.dumps({

@@ -141,7 +141,6 @@ def run(args: argparse.Namespace) -> int:
   if args.steps < 1 or args.trace_steps < 1:
     raise ConfigError(f"--steps {args.steps} and --trace-steps {args.trace_steps} must both be at least 1.")
   out = pathlib.Path(args.out or f"{config.run.output_dir}/bench" + (f"-{args.topology}" if args.topology else ""))
-  out.mkdir(parents=True, exist_ok=True)
   if args.topology:
     from maxctx import topology as topology_lib
     from maxctx.bench import roofline
@@ -154,6 +153,7 @@ def run(args: argparse.Namespace) -> int:
     n, slices, platform = len(jax.devices()), mesh_lib.num_slices_of(jax.devices()), None
   steps = 1 + args.steps + args.trace_steps
   cases = plan_lib.plan(config, strategies, lengths, n, slices, args.context, steps, platform)
+  out.mkdir(parents=True, exist_ok=True)  # Only now: a refused command leaves nothing behind.
   log.info("%d runs (%s × %s) into %s", len(cases), ",".join(strategies), ",".join(map(plan_lib.tokens, lengths)), out)
   if args.topology:
     records, where, setup = estimate_all(config, cases, args, out)

@@ -115,6 +115,15 @@ class Pipeline(Iterator[dict[str, jax.Array]]):
   def __next__(self) -> dict[str, jax.Array]:
     return to_global(self.host_batch(), self.rows, self._sharding, self._shape)
 
+  def check_first_batch(self) -> None:
+    """Makes the first batch and rewinds, so that a record the data cannot use stops the run before the run directory
+    is written. Skipped with worker processes, which a rewind would restart."""
+    if self._config.data.num_workers:
+      return
+    start = self.state()
+    self.host_batch()
+    self.restore(start)
+
   def close(self) -> None:
     """Stops grain's worker processes (data.num_workers > 0) or prefetch thread; the pipeline cannot be used
     afterwards."""

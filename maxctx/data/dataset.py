@@ -29,12 +29,29 @@ _READ = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
 
 
 class Encode(grain.transforms.Map):
-  """A record → the int32 document the packer takes: tokenized text, or checked token ids; empty if skipped."""
+  """A record → the int32 document the packer takes: tokenized text, or checked token ids; empty if skipped.
 
-  def __init__(self, tokenizer: tokenizers.Tokenizer | None, vocab_size: int):
+  With `records` (the source's size), a source none of whose first `records` reads gave a document is an error: the
+  packer would otherwise read it round and round forever, waiting for a token.
+  """
+
+  def __init__(self, tokenizer: tokenizers.Tokenizer | None, vocab_size: int, records: int | None = None,
+               bad=None):
     self._tokenizer, self._vocab_size = tokenizer, vocab_size
+    self._records, self._bad = records, bad
+    self._read, self._usable = 0, 0
 
   def map(self, record):
+    doc = self._encode(record)
+    self._read += 1
+    self._usable += len(doc) >= 2
+    if self._records and not self._usable and self._read >= self._records:
+      first = f" (the first: {self._bad.first})" if self._bad is not None and self._bad.first else ""
+      raise DataError(f"data.path yields no usable document: none of its {self._records} records gave two tokens or "
+                      f"more{first}; fix the data (or data.text_field), or point data.path at other files.")
+    return doc
+
+  def _encode(self, record):
     if record is None:
       return np.zeros(0, np.int32)
     if isinstance(record, str):
@@ -59,9 +76,29 @@ def tokenizer_for(config: Config) -> tokenizers.Tokenizer | None:
   return tok
 
 
+class _NoNones:
+  """The source with each dropped record (None) as an empty document: grain filters a None out before Encode sees
+  it, so a source whose every record is dropped would be read round and round in silence."""
+
+  def __init__(self, source):
+    self._source = source
+
+  def __len__(self) -> int:
+    return len(self._source)
+
+  def __getitem__(self, i):
+    record = self._source[i]
+    return np.zeros(0, np.int32) if record is None else record
+
+
 def _rows_of_documents(source, config: Config, encode: Encode, rows: Sequence[int]) -> list[grain.IterDataset]:
+  # A row that reads its whole share of the corpus many times over without a usable document never fills; stop
+  # instead of spinning (possible only when almost every record is dropped or empty).
+  starved = (f"row {{row}} of the batch read {{n}} documents in a row without a usable one (dropped under "
+             f"data.bad_records=skip, empty, or a single token); data.path holds too few usable documents for "
+             f"data.batch_size {config.data.batch_size}: fix the data or use a smaller batch.")
   d = config.data
-  docs = grain.MapDataset.source(source)
+  docs = grain.MapDataset.source(_NoNones(source))
   if d.shuffle:
     # index_shuffle reseeds per epoch (seed + epoch), so repeated epochs come in new orders.
     docs = docs.shuffle(seed=config.run.seed % 2**32)
@@ -69,7 +106,9 @@ def _rows_of_documents(source, config: Config, encode: Encode, rows: Sequence[in
   out = []
   for r in rows:
     stream = docs[r::d.batch_size].map(encode).to_iter_dataset(_READ)
-    out.append(packing.PackIterDataset(stream, d.seq_len, d.packing, d.long_documents))
+    out.append(packing.PackIterDataset(stream, d.seq_len, d.packing, d.long_documents,
+                                       max_empty=max(len(source), d.batch_size),
+                                       starved=starved.replace("{row}", str(r))))
   return out
 
 
@@ -112,7 +151,7 @@ def local_dataset(config: Config, rows: Sequence[int], context: int) -> tuple[gr
   else:
     tok = tokenizer_for(config)
     source, bad = sources.open_source(d, has_tokenizer=tok is not None)
-    streams = _rows_of_documents(source, config, Encode(tok, config.model.vocab_size), rows)
+    streams = _rows_of_documents(source, config, Encode(tok, config.model.vocab_size, len(source), bad), rows)
   ds = grain.experimental.ZipIterDataset(streams).map(Stack(context if config.attention.load_balance else None))
   if d.num_workers > 0:
     # grain's worker processes read absl flags; maxctx has no absl main to parse them, so take the defaults.

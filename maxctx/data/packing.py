@@ -30,6 +30,8 @@ from typing import Any, Literal
 import grain
 import numpy as np
 
+from maxctx.errors import DataError
+
 FIELDS = ("tokens", "targets", "segment_ids", "positions")
 
 # first_fit keeps at most this many tokens in open sequences (and never more than MAX_BINS of them): at 14,680,064
@@ -67,9 +69,11 @@ def write_sequence(pieces: list[np.ndarray], seq_len: int) -> dict[str, np.ndarr
 
 class _PackIterator(grain.DatasetIterator):
 
-  def __init__(self, parent: grain.DatasetIterator, seq_len: int, method: str, long_documents: str, bins: int):
+  def __init__(self, parent: grain.DatasetIterator, seq_len: int, method: str, long_documents: str, bins: int,
+               max_empty: int | None = None, starved: str = ""):
     super().__init__(parent)
     self._seq_len, self._method, self._truncate, self._bins = seq_len, method, long_documents == "truncate", bins
+    self._max_empty, self._starved, self._empty = max_empty, starved, 0
     self._reset(parent.get_state(), 0)
 
   def _reset(self, doc_state: Any, offset: int) -> None:
@@ -99,6 +103,10 @@ class _PackIterator(grain.DatasetIterator):
         self._exhausted = True
         return 0
       self._doc_state, self._doc, self._offset = state, doc, 0
+      self._empty = self._empty + 1 if len(doc) < 2 else 0
+      if self._max_empty and self._empty > self._max_empty:
+        raise DataError((self._starved or "{n} documents in a row held no (token, target) pair; the data holds too "
+                         "few usable documents.").replace("{n}", str(self._empty)))
 
   def _take(self, n: int) -> np.ndarray:
     """The next n pairs of the current document, as a view of n+1 tokens."""
@@ -165,11 +173,14 @@ class PackIterDataset(grain.IterDataset):
   """Packs a parent of 1-D int32 documents (whole documents, BOS/EOS included) into dicts of FIELDS [seq_len]."""
 
   def __init__(self, parent: grain.IterDataset, seq_len: int, method: Literal["first_fit", "concat"] = "first_fit",
-               long_documents: Literal["split", "truncate"] = "split", bins: int | None = None):
+               long_documents: Literal["split", "truncate"] = "split", bins: int | None = None,
+               max_empty: int | None = None, starved: str = ""):
+    """`max_empty`: more documents than this in a row without a pair raise a DataError (`starved`, where {n} is
+    their number) instead of reading on forever."""
     super().__init__(parent)
     if method not in ("first_fit", "concat"):
       raise ValueError(f"unknown packing method {method!r}")
-    self._args = (seq_len, method, long_documents, bins or default_bins(seq_len))
+    self._args = (seq_len, method, long_documents, bins or default_bins(seq_len), max_empty, starved)
 
   def __iter__(self) -> _PackIterator:
     return _PackIterator(self._parent.__iter__(), *self._args)

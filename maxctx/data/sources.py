@@ -22,7 +22,7 @@ import os
 import pathlib
 import sysconfig
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -63,9 +63,19 @@ def stdlib_files() -> list[pathlib.Path]:
 
 
 def read_text(path: str | os.PathLike) -> str:
-  # `replace`, not an error: a few stdlib test files are deliberately mis-encoded, and the corpus must still load.
+  # `replace`, not an error: only for the stdlib corpus, where a few test files are deliberately mis-encoded and the
+  # corpus must still load. A user's text that is not UTF-8 is a bad record (`_decode`).
   with open(path, "rb") as f:
     return f.read().decode("utf-8", errors="replace")
+
+
+def _decode(data: bytes, where: Callable[[int], str], bad: _Bad) -> str | None:
+  """UTF-8 text, or the bad-record policy's answer naming where the first undecodable byte is."""
+  try:
+    return data.decode("utf-8")
+  except UnicodeDecodeError as e:
+    return bad(where(e.start), f"is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); decode it to "
+               "UTF-8 first")
 
 
 class _Progress:
@@ -82,23 +92,31 @@ class _Progress:
 
 
 class _Bad:
-  """The `data.bad_records` policy: error names the record; skip counts, logs and drops it."""
+  """The `data.bad_records` policy: error names the record; skip counts, logs and drops it, once per record however
+  many epochs read it again."""
 
   def __init__(self, policy: str):
     self.policy, self.skipped = policy, 0
+    self.first = ""  # The first record dropped, and why, for a message saying that nothing usable is left.
+    self._seen: set[str] = set()
 
   def __call__(self, where: str, why: str) -> None:
     if self.policy == "error":
       raise DataError(f"{where} {why}; fix or remove the record, or set data.bad_records=skip to drop such records.")
+    if where in self._seen:
+      return
+    self._seen.add(where)
     self.skipped += 1
+    self.first = self.first or f"{where} {why}"
     log.warning("data.bad_records=skip: dropped %s (%s); %d dropped so far", where, why, self.skipped)
 
 
 class Files:
   """Text files: one document per file, or documents between occurrences of a separator."""
 
-  def __init__(self, files: list[str], separator: str = "", describe: str = "data.path"):
-    self.files = [str(f) for f in files]
+  def __init__(self, files: list[str], separator: str = "", describe: str = "data.path", bad: _Bad | None = None):
+    # Without `bad` (the stdlib corpus) undecodable bytes are replaced; see read_text.
+    self.files, self._bad = [str(f) for f in files], bad
     sizes = np.array([os.path.getsize(f) for f in self.files], np.int64)
     if not separator:
       keep = np.flatnonzero(sizes > 0)
@@ -133,10 +151,19 @@ class Files:
   def __len__(self) -> int:
     return len(self._file)
 
-  def __getitem__(self, i: int) -> str:
-    with open(self.files[self._file[i]], "rb") as f:
-      f.seek(self._start[i])
-      return f.read(self._len[i]).decode("utf-8", errors="replace")
+  def __getitem__(self, i: int) -> str | None:
+    path, start = self.files[self._file[i]], int(self._start[i])
+    with open(path, "rb") as f:
+      f.seek(start)
+      data = f.read(self._len[i])
+    if self._bad is None:
+      return data.decode("utf-8", errors="replace")
+    return _decode(data, lambda at: f"{path} line {self._line_of(path, start + at)}", self._bad)
+
+  @staticmethod
+  def _line_of(path: str, offset: int) -> int:
+    with open(path, "rb") as f:
+      return f.read(offset).count(b"\n") + 1
 
 
 class Jsonl:
@@ -185,8 +212,11 @@ class Jsonl:
     where = f"{path} line {self._line[i]}"
     if not line.strip():
       return None
+    text = _decode(line, lambda at: where, self._bad)
+    if text is None:
+      return None
     try:
-      record = json.loads(line)
+      record = json.loads(text)
     except ValueError as e:
       return self._bad(where, f"is not JSON ({e.msg} at column {e.colno})")
     if not isinstance(record, dict) or self._field not in record:
@@ -197,8 +227,10 @@ class Jsonl:
 
 
 def _value(value: Any, tokens: bool, where: str, bad: _Bad) -> str | np.ndarray | None:
-  if isinstance(value, bytes):
-    value = value.decode("utf-8", errors="replace") if not tokens else value
+  if isinstance(value, bytes) and not tokens:
+    value = _decode(value, lambda at: where, bad)
+    if value is None:
+      return None
   if tokens:
     try:
       arr = np.asarray(value)
@@ -233,7 +265,7 @@ class ArrayRecord:
   def __getitem__(self, i: int) -> str | np.ndarray | None:
     record = self._source[i]
     if not self._tokens:
-      return record.decode("utf-8", errors="replace")
+      return _decode(record, lambda at: f"arrayrecord record {i}", self._bad)
     if len(record) % 4:
       return self._bad(f"arrayrecord record {i}", f"has {len(record)} bytes, not a whole number of int32 token ids")
     return np.frombuffer(record, "<i4").astype(np.int32)
@@ -279,7 +311,7 @@ def open_source(data, has_tokenizer: bool):
     if not has_tokenizer:
       raise ConfigError("data.source=text reads text, so it needs data.tokenizer (a SentencePiece .model or Llama 3 "
                         "tokenizer.model; scripts/train_tokenizer.py trains one).")
-    src = Files(expand(data.path), getattr(data, "text_separator", ""))
+    src = Files(expand(data.path), getattr(data, "text_separator", ""), bad=bad)
   elif data.source == "jsonl":
     src = Jsonl(expand(data.path), data.text_field, not has_tokenizer, bad)
   elif data.source == "arrayrecord":

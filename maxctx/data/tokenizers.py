@@ -12,11 +12,13 @@ ranks file of n entries gets the same layout from n: BOS n, EOS n+1, vocabulary 
 from __future__ import annotations
 
 import base64
+import hashlib
 import io
 import logging
 import os
 import pathlib
 import sys
+import sysconfig
 import time
 from typing import Iterable, Iterator
 
@@ -203,14 +205,25 @@ def cache_dir() -> pathlib.Path:
 
 
 def stdlib_tokenizer(vocab_size: int) -> Tokenizer:
-  """The demo's tokenizer: a SentencePiece model of `vocab_size` trained on the standard library, cached per Python."""
+  """The demo's tokenizer: a SentencePiece model of `vocab_size` trained on the standard library, cached under a
+  digest of the files it is trained on.
+
+  Two installations of one Python version can hold different standard libraries (a distribution's trimmed one, a
+  patch release): a cache keyed by the version alone would hand one of them the other's tokenizer."""
   from maxctx.data import sources  # Here, not at the top: sources imports nothing from tokenizers, keep it so.
   v = sys.version_info
-  path = cache_dir() / "tokenizers" / f"stdlib-py{v.major}.{v.minor}-bpe{vocab_size}.model"
+  files = sources.stdlib_files()
+  root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+  digest = hashlib.sha256()
+  for f in files:
+    data = f.read_bytes()
+    digest.update(f"{f.relative_to(root).as_posix()}\0{len(data)}\0".encode())
+    digest.update(data)
+  path = cache_dir() / "tokenizers" / f"stdlib-py{v.major}.{v.minor}-{digest.hexdigest()[:12]}-bpe{vocab_size}.model"
   if not path.exists():
     if vocab_size < 300:
       raise ConfigError(f"model.vocab_size {vocab_size} is too small for the standard-library tokenizer; use at "
                         "least 300 (the demo uses 512).")
-    files = sources.stdlib_files()
+    log.info("training the demo tokenizer on the %d files of the standard library at %s", len(files), root)
     train_sentencepiece((sources.read_text(f) for f in files), path, vocab_size)
   return load(str(path))
