@@ -12,6 +12,7 @@ newest complete checkpoint with the losses an uninterrupted run would have had.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import pathlib
@@ -29,7 +30,7 @@ from maxctx import mesh as mesh_lib
 from maxctx import metrics as metrics_lib
 from maxctx.eval import sweep as eval_sweep
 from maxctx.errors import ConfigError, MaxctxError, exit_code
-from maxctx.trainer import Trainer, offloaded_bytes_per_device, validate
+from maxctx.trainer import Trainer, TrainState, offloaded_bytes_per_device, validate
 
 log = logging.getLogger("maxctx")
 
@@ -47,6 +48,19 @@ def setup_logging() -> None:
 
 def run(config: config_lib.Config) -> list[float]:
   """Trains `config` (resuming its checkpoints as checkpoint.resume says); returns the loss of every step it ran."""
+  return fit(config).losses
+
+
+@dataclasses.dataclass
+class Fit:
+  """What a training run ends with: the loss of every step it ran (none when the checkpoint was already at
+  run.steps) and the state it stopped at, whose `step` is below run.steps when a preemption stopped it."""
+  losses: list[float]
+  state: TrainState
+
+
+def fit(config: config_lib.Config) -> Fit:
+  """`run`, also returning the final state: maxctx.eval --train scores its parameters."""
   devices = jax.devices()
   sizes = validate(config, len(devices), mesh_lib.num_slices_of(devices))
   _check_host_memory(config, sizes)
@@ -73,7 +87,7 @@ def run(config: config_lib.Config) -> list[float]:
     if start >= config.run.steps:
       log.info("done already: the checkpoint is at step %d and run.steps is %d; raise run.steps to train on.", start,
                config.run.steps)
-      return []
+      return Fit([], state)
     pending = None
     for step in range(start, config.run.steps):
       state, step_metrics = trainer.step(state, next(pipeline))
@@ -106,7 +120,7 @@ def run(config: config_lib.Config) -> list[float]:
   if reporter.losses:
     log.info("done: %d steps, final loss %.4f; TensorBoard: tensorboard --logdir %s", len(reporter.losses),
              reporter.losses[-1], out_dir / "tensorboard")
-  return reporter.losses
+  return Fit(reporter.losses, state)
 
 
 def host_memory_bytes() -> int:
