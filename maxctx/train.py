@@ -15,6 +15,7 @@ lock for its whole life (maxctx.run_dir).
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import os
 import pathlib
@@ -34,7 +35,7 @@ from maxctx import preemption as preemption_lib
 from maxctx import run_dir as run_dir_lib
 from maxctx.eval import sweep as eval_sweep
 from maxctx.errors import ConfigError, MaxctxError, exit_code
-from maxctx.trainer import Trainer, offloaded_bytes_per_device, validate
+from maxctx.trainer import Trainer, TrainState, offloaded_bytes_per_device, validate
 
 log = logging.getLogger("maxctx")
 
@@ -59,7 +60,20 @@ def _reported_by_maxctx(record: logging.LogRecord) -> bool:
 
 
 def run(config: config_lib.Config) -> list[float]:
-  """Trains `config` (resuming its checkpoints as checkpoint.resume says); returns the loss of every step it ran.
+  """Trains `config` (resuming its checkpoints as checkpoint.resume says); returns the loss of every step it ran."""
+  return fit(config).losses
+
+
+@dataclasses.dataclass
+class Fit:
+  """What a training run ends with: the loss of every step it ran (none when the checkpoint was already at
+  run.steps) and the state it stopped at, whose `step` is below run.steps when a preemption stopped it."""
+  losses: list[float]
+  state: TrainState
+
+
+def fit(config: config_lib.Config) -> Fit:
+  """`run`, also returning the final state (maxctx.eval --train scores its parameters).
 
   Everything a user can get wrong (config, data, parameters to load, the run directory) is refused before the run
   directory is written; config.yml, TensorBoard and checkpoints appear only once the state is restored or made."""
@@ -89,16 +103,19 @@ def run(config: config_lib.Config) -> list[float]:
       if start >= config.run.steps:
         log.info("done already: the checkpoint is at step %d and run.steps is %d; raise run.steps to train on.", start,
                  config.run.steps)
-        return []
+        return Fit([], state)
       with _Reporter(config, len(devices)) as reporter:
-        _loop(config, trainer, pipeline, evaluator, state, start, checkpoints, preemption, reporter, run_dir)
+        state = _loop(config, trainer, pipeline, evaluator, state, start, checkpoints, preemption, reporter,
+                      run_dir)
   if reporter.losses:
     log.info("done: %d steps, final loss %.4f; TensorBoard: tensorboard --logdir %s", len(reporter.losses),
              reporter.losses[-1], out_dir / "tensorboard")
-  return reporter.losses
+  return Fit(reporter.losses, state)
 
 
-def _loop(config, trainer, pipeline, evaluator, state, start, checkpoints, preemption, reporter, run_dir) -> None:
+def _loop(config, trainer, pipeline, evaluator, state, start, checkpoints, preemption, reporter,
+          run_dir) -> TrainState:
+  """Steps from `start` to run.steps (or a preemption), saving and evaluating as configured; returns the last state."""
   pending = None
   for step in range(start, config.run.steps):
     state, step_metrics = trainer.step(state, next(pipeline))
@@ -134,6 +151,7 @@ def _loop(config, trainer, pipeline, evaluator, state, start, checkpoints, preem
   if pending is not None:
     reporter.report(pending, checkpoints)
   jax.block_until_ready(state)
+  return state
 
 
 def host_memory_bytes() -> int:

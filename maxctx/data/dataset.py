@@ -123,6 +123,7 @@ def _rows_of_passkey(config: Config, rows: Sequence[int]) -> list[grain.IterData
   from maxctx.eval import passkey_data, sweep, tasks  # here, not at the top: maxctx.eval imports the trainer
   pieces = tasks.Pieces(sweep.tokenizer_for(config))
   d, seed = config.data, config.run.seed
+  tasks.generate("passkey", pieces, d.seq_len, 0.0, 0)  # refuses a data.seq_len too short for one, before compiling
   steps = grain.MapDataset.range(1 << 62)
   return [steps.map(lambda i, r=r: passkey_data.row(pieces, seed, i, r, d.seq_len)).to_iter_dataset(_READ)
           for r in rows]

@@ -8,7 +8,6 @@ needle depth, scored by teacher forcing with the run's context-parallel strategy
   report.py         eval.jsonl, eval.md and depth × length heatmaps
   params.py         parameters from checkpoint.load_params
   passkey_data.py   training rows of passkey examples (the passkey demo)
-  train_passkey.py  the demo's training loop, until maxctx.train has a passkey source and the eval hook
 
 `python -m maxctx.eval CONFIG [key=value ...] --tasks passkey --lengths 1k,4k --depths 0,0.5,1 --samples 8`
 """

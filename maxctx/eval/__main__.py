@@ -5,8 +5,8 @@
 
 Scores the parameters of checkpoint.load_params with the run's model, mesh and CP strategy, and writes eval.jsonl,
 eval.md and one <task>.png heatmap per task to eval.output_dir (default <run.output_dir>/eval). Flags replace the
-matching eval.* keys. `--train` first trains the run on generated passkey data (the passkey demo) and then evaluates
-the parameters it trained.
+matching eval.* keys. `--train` first trains the run as `python -m maxctx.train` does (the passkey demo's config
+trains on data.source=passkey), saves the trained parameters to <run.output_dir>/params, and scores those.
 """
 
 from __future__ import annotations
@@ -21,9 +21,10 @@ import jax
 from maxctx import config as config_lib
 from maxctx import mesh as mesh_lib
 from maxctx import sharding
+from maxctx import train as train_lib
 from maxctx.errors import exit_code
 from maxctx.eval import params as params_lib
-from maxctx.eval import report, sweep as sweep_lib, train_passkey
+from maxctx.eval import report, sweep as sweep_lib
 from maxctx.trainer import validate
 
 log = logging.getLogger("maxctx.eval")
@@ -40,7 +41,8 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--samples", type=int, help="examples per (task, length, depth) (replaces eval.samples)")
   p.add_argument("--files", help="comma-separated JSONL task files of {context, question, answer} (eval.files)")
   p.add_argument("--out", help="output directory (replaces eval.output_dir)")
-  p.add_argument("--train", action="store_true", help="train the run on generated passkey data first (the demo)")
+  p.add_argument("--train", action="store_true",
+                 help="train the run first, as python -m maxctx.train does, then score what it trained (the demo)")
   return p
 
 
@@ -50,12 +52,18 @@ def run(config: config_lib.Config, plan: sweep_lib.Plan, out_dir: pathlib.Path, 
   mesh = mesh_lib.build_mesh(config.mesh, devices)
   with jax.set_mesh(mesh):
     sweep = sweep_lib.Sweep(config, mesh, plan)  # every example is made and checked here, before compiling
-    if train:
-      during = None
-      if config.eval.every_steps:
-        during = sweep_lib.Sweep(config, mesh, sweep_lib.Plan.from_config(config), scorer=sweep.scorer)
-      params = train_passkey.run(config, mesh, during)
-    else:
+  if train:
+    state = train_lib.fit(config).state
+    step = int(jax.device_get(state.step))
+    if step < config.run.steps:  # preempted: scoring a half-trained model would report the wrong thing
+      log.info("eval: training stopped at step %d of %d, so nothing is scored; rerun the command to continue.", step,
+               config.run.steps)
+      return []
+    params = state.params
+    log.info("eval: trained parameters saved to %s",
+             params_lib.save(params, pathlib.Path(config.run.output_dir) / "params"))
+  with jax.set_mesh(mesh):
+    if not train:
       params = params_lib.load(config, sweep.scorer.model, mesh)
     records = sweep.run(params)
   title = f"maxctx eval: {config.run.name} ({config.attention.strategy}, {mesh.shape[sharding.SEQ_AXIS]}-way CP)"
