@@ -79,7 +79,7 @@ def validate(config: Config, num_devices: int, num_slices: int = 1, platform: st
       context=sizes["context"], tensor=sizes["tensor"], n_heads=m.n_heads, n_kv_heads=m.n_kv_heads,
       seq_len=d.seq_len, kernel=config.attention.kernel, load_balance=config.attention.load_balance,
       ulysses_degree=config.attention.ulysses_degree, block_q=config.attention.block_q,
-      block_kv=config.attention.block_kv, platform=platform))
+      block_kv=config.attention.block_kv, platform=platform, head_dim=m.head_dim))
   return sizes
 
 

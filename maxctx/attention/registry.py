@@ -32,6 +32,7 @@ class Problem:
   block_q: int | None = None
   block_kv: int | None = None
   platform: str | None = None   # backend that will run it ("cpu", "gpu", "tpu"); None: the default backend
+  head_dim: int | None = None   # None: not known (kernels that constrain it check it only when given)
 
 
 class Strategy:
@@ -49,6 +50,8 @@ class Strategy:
     if platforms is not None and platform not in platforms:
       raise ConfigError(f"attention.kernel {p.kernel!r} runs only on {' or '.join(platforms)}, not on {platform}; "
                         "use attention.kernel=blockwise there.")
+    if kernels.KERNELS[p.kernel].check is not None and (reason := kernels.KERNELS[p.kernel].check(p)):
+      raise ConfigError(reason)
     if kernels.KERNELS[p.kernel].document_order and not self.keeps_document_order(p):
       raise ConfigError(f"attention.kernel {p.kernel!r} reads causality from token order over the whole sequence, "
                         f"which attention.strategy {self.name} with load_balance={str(p.load_balance).lower()} "
