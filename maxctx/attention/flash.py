@@ -46,7 +46,7 @@ class Flash:
     """The state after one more chunk of keys; with `first_head`, the state's heads are q's [first_head, +N)."""
     bq, bk = tiles.fit(self.block_q, q_BTNH.shape[1]), self.fit_kv(k_BSKH.shape[1])
     return flash_fwd.forward(state, q_BTNH, k_BSKH, v_BSKH, q_seg, kv_seg, q_pos, kv_pos, bq, bk,
-                             jnp.asarray(first_head or 0), self.interpret)
+                             jnp.asarray(0 if first_head is None else first_head), self.interpret)
 
   def backward(self, q_BTNH, k_BSKH, v_BSKH, q_seg, kv_seg, q_pos, kv_pos, lse_BNT, delta_BNT, dout_BTNH,
                grads=None, first_head=None):
@@ -58,7 +58,7 @@ class Flash:
       grads = (jnp.zeros((B, T, N, H), _F32), jnp.zeros((B, S, K, H), _F32), jnp.zeros((B, S, K, H), _F32))
     bq, bk = tiles.fit(self.block_q, T), self.fit_kv(S)
     return flash_bwd.backward(grads, q_BTNH, k_BSKH, v_BSKH, q_seg, kv_seg, q_pos, kv_pos, lse_BNT, delta_BNT,
-                              dout_BTNH, bq, bk, jnp.asarray(first_head or 0), self.interpret)
+                              dout_BTNH, bq, bk, jnp.asarray(0 if first_head is None else first_head), self.interpret)
 
 
 def make(block_q: int | None = None, block_kv: int | None = None):
