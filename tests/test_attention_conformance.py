@@ -195,11 +195,13 @@ def test_fast_sub_chunked_hops(strategy_key, heads_key, monkeypatch):
   check(strategy_key, "ctx8", heads_key, masks=("packed",), zigzag=(True,))
 
 
-def plan(strategy_key, heads_key):
-  """`ring.pass_plan` for this suite's per-device shapes on context=8."""
+def plan(strategy_key, heads_key, kernel="blockwise"):
+  """`ring.pass_plan` for this suite's per-device shapes on context=8, as the ring plans it for `kernel`."""
   n_heads, kv_heads = HEADS[heads_key]
-  local = lambda heads: jax.ShapeDtypeStruct((B, T // 8, heads, H), jnp.float32)  # noqa: E731
-  return ring.pass_plan(local(n_heads), local(kv_heads), STRATEGIES[strategy_key][1] or 1, BLOCK)
+  case = CASES[kernel]
+  local = lambda heads: jax.ShapeDtypeStruct((B, case.t // 8, heads, case.h), jnp.float32)  # noqa: E731
+  return ring.pass_plan(local(n_heads), local(kv_heads), STRATEGIES[strategy_key][1] or 1,
+                        fit_kv=kernels.parts(kernel, case.block, case.block).fit_kv)
 
 
 @pytest.mark.slow
@@ -233,3 +235,24 @@ def test_flash_context8_packed_gqa(strategy_key):
   """Every strategy with the flash kernel: GQA 4:1 (ulysses replicating KV heads), packed documents of random
   lengths (some shorter than a block, padding in one row) in both layouts, forward and dq/dk/dv."""
   check(strategy_key, "ctx8", "gqa4", masks=("packed",), kernel="flash")
+
+
+@pytest.mark.parametrize("strategy_key", ["ring", "usp4"])
+def test_flash_mha_causal(strategy_key):
+  """GQA 1:1 under one causal document: whole tiles shown, cut and hidden by positions alone, both layouts."""
+  check(strategy_key, "ctx8", "mha", masks=("causal",), kernel="flash")
+
+
+@pytest.mark.parametrize("strategy_key", ["ring", "usp2"])
+def test_flash_bfloat16(strategy_key):
+  check(strategy_key, "ctx8", "gqa4", jnp.bfloat16, masks=("packed",), zigzag=(True,), kernel="flash")
+
+
+@pytest.mark.parametrize("strategy_key", ["ring", "usp2"])
+def test_flash_one_kv_head_per_pass(strategy_key, monkeypatch):
+  """Passes of one KV head, as at long sequence lengths: the kernel reads q, dout and delta at a head offset (its
+  index maps, no copy); under usp2 each pass's tokens also travel in sub-chunks of whole 128-token key blocks."""
+  monkeypatch.setattr(ring, "PASS_BYTES", 1)
+  n, _, _, subs = plan(strategy_key, "gqa4", "flash")
+  assert n > 1 and subs == (2 if strategy_key == "usp2" else 1)
+  check(strategy_key, "ctx8", "gqa4", masks=("packed",), zigzag=(True,), kernel="flash")
