@@ -9,15 +9,14 @@ The mask is read from segment ids and positions that are kernel inputs (ids in V
 SMEM for skipping), never from a static mask, so the same compiled kernel is exact under zigzag, any permutation
 and packed documents, under every strategy, and costs nothing on the host. The state has the blockwise kernel's
 layout, so `finish` and `delta` are blockwise's. Block sizes are multiples of 128 (the TPU's lanes) fitted to each
-call's lengths by `flash_tiles.fit`; head dims must be multiples of 128 too. Off the TPU the same kernels run in
-the Pallas interpreter (tests); validate refuses training there.
+call's lengths by `flash_tiles.fit`; head dims must be multiples of 128 too. Lowered for anything but a TPU the
+same kernels run in the Pallas interpreter (tests); validate refuses training there.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 
 from maxctx.attention import flash_bwd, flash_fwd
@@ -32,7 +31,7 @@ class Flash:
   """The flash pieces with their block sizes (None: 512, fitted down to a multiple of 128 dividing each length)."""
   block_q: int | None = None
   block_kv: int | None = None
-  interpret: bool = False
+  interpret: bool | None = None   # None: Mosaic when lowered for a TPU, else the Pallas interpreter
 
   init = Blockwise.init
   finish = Blockwise.finish
@@ -67,7 +66,7 @@ def make(block_q: int | None = None, block_kv: int | None = None):
 
 
 def parts(block_q: int | None = None, block_kv: int | None = None) -> Flash:
-  return Flash(block_q, block_kv, interpret=jax.default_backend() != "tpu")
+  return Flash(block_q, block_kv)
 
 
 def check(p) -> str | None:

@@ -102,7 +102,8 @@ def _dkv_kernel(q_sums, kv_sums, head0, q_ref, k_ref, v_ref, do_ref, lse_ref, de
 def backward(grads, q_BTNH, k_BSKH, v_BSKH, q_seg, kv_seg, q_pos, kv_pos, lse_BNT, delta_BNT, dout_BTNH, bq, bk,
              head0, interpret):
   """`grads` (float32 dq [B, T, N, H], dk and dv [B, S, K, H]) plus this chunk's. q, dout and delta may hold more
-  heads than lse; lse's N are their heads [head0, head0 + N) (head0 a multiple of G, traced)."""
+  heads than lse; lse's N are their heads [head0, head0 + N) (head0 a multiple of G, traced). `interpret` as in
+  `flash_fwd.forward`."""
   B, N, T = lse_BNT.shape
   S, K, H = k_BSKH.shape[1:]
   G = N // K
@@ -137,14 +138,14 @@ def backward(grads, q_BTNH, k_BSKH, v_BSKH, q_seg, kv_seg, q_pos, kv_pos, lse_BN
   columns = [pltpu.VMEM((bq, tiles.LANES), jnp.int32)] * 2
   params = pltpu.CompilerParams(dimension_semantics=_GRID)
 
-  dq_call = pl.pallas_call(
+  dq_call = lambda interpret: pl.pallas_call(  # noqa: E731
       functools.partial(_dq_kernel, groups=G, nq=nq, nk=nk),
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=3, grid=(B, K, nq, nk), in_specs=specs(dq_order) + [dq_spec], out_specs=dq_spec,
           scratch_shapes=columns + [pltpu.VMEM((G, bq, tiles.LANES), _F32)] * 2),
       out_shape=jax.ShapeDtypeStruct((B, T, N * H), _F32),
       input_output_aliases={11: 0}, compiler_params=params, interpret=interpret, name="maxctx_flash_dq")
-  dkv_call = pl.pallas_call(
+  dkv_call = lambda interpret: pl.pallas_call(  # noqa: E731
       functools.partial(_dkv_kernel, groups=G, nq=nq, nk=nk),
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=3, grid=(B, K, nk, nq), in_specs=specs(dkv_order) + [dkv_spec] * 2,
@@ -154,8 +155,9 @@ def backward(grads, q_BTNH, k_BSKH, v_BSKH, q_seg, kv_seg, q_pos, kv_pos, lse_BN
 
   def run(grads):
     dq, dk, dv = grads
-    dq = dq_call(*ids, *operands, tiles.heads_view(dq))
-    dk, dv = dkv_call(*ids, *operands, tiles.heads_view(dk), tiles.heads_view(dv))
+    dq = tiles.dispatch(dq_call, *ids, *operands, tiles.heads_view(dq), interpret=interpret)
+    dk, dv = tiles.dispatch(dkv_call, *ids, *operands, tiles.heads_view(dk), tiles.heads_view(dv),
+                            interpret=interpret)
     return dq.reshape(B, T, N, H), dk.reshape(B, S, K, H), dv.reshape(B, S, K, H)
 
   with jax.named_scope("flash_bwd"):

@@ -74,7 +74,8 @@ def _kernel(q_sums, kv_sums, head0, q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, 
 
 def forward(state, q_BTNH, k_BSKH, v_BSKH, q_seg, kv_seg, q_pos, kv_pos, bq, bk, head0, interpret):
   """The state (numerator [B, T, N, H], max and denominator [B, N, T], float32) after this chunk of keys. q may
-  hold more heads than the state; the state's N are q's heads [head0, head0 + N) (head0 a multiple of G, traced)."""
+  hold more heads than the state; the state's N are q's heads [head0, head0 + N) (head0 a multiple of G, traced).
+  `interpret`: None picks Mosaic or the interpreter by the platform lowered for (`flash_tiles.dispatch`)."""
   acc_BTNH, max_BNT, den_BNT = state
   B, T, N, H = acc_BTNH.shape
   S, K = k_BSKH.shape[1:3]
@@ -97,7 +98,7 @@ def forward(state, q_BTNH, k_BSKH, v_BSKH, q_seg, kv_seg, q_pos, kv_pos, bq, bk,
       pl.BlockSpec((None, None, G, bq), lambda b, h, i, j, *_: (b, h, 0, i)),
       pl.BlockSpec((None, None, G, bq), lambda b, h, i, j, *_: (b, h, 0, i)),
   ]
-  call = pl.pallas_call(
+  make_call = lambda interpret: pl.pallas_call(  # noqa: E731
       functools.partial(_kernel, groups=G, nq=nq, nk=nk),
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=3, grid=(B, K, nq, nk), in_specs=specs + state_specs, out_specs=state_specs,
@@ -112,10 +113,11 @@ def forward(state, q_BTNH, k_BSKH, v_BSKH, q_seg, kv_seg, q_pos, kv_pos, bq, bk,
   def run(state):
     acc, mx, den = state
     views = tiles.heads_view(acc), tiles.rows_view(mx, G), tiles.rows_view(den, G)
-    acc, mx, den = call(tiles.summaries(q_seg, q_pos, bq), tiles.summaries(kv_seg, kv_pos, bk),
-                        jnp.reshape(head0 // G, (1,)).astype(jnp.int32), tiles.heads_view(q_BTNH),
-                        tiles.heads_view(k_BSKH), tiles.heads_view(v_BSKH), tiles.ids_rows(q_seg, q_pos),
-                        tiles.ids_rows(kv_seg, kv_pos), *views)
+    acc, mx, den = tiles.dispatch(
+        make_call, tiles.summaries(q_seg, q_pos, bq), tiles.summaries(kv_seg, kv_pos, bk),
+        jnp.reshape(head0 // G, (1,)).astype(jnp.int32), tiles.heads_view(q_BTNH), tiles.heads_view(k_BSKH),
+        tiles.heads_view(v_BSKH), tiles.ids_rows(q_seg, q_pos), tiles.ids_rows(kv_seg, kv_pos), *views,
+        interpret=interpret)
     return acc.reshape(B, T, N, H), mx.reshape(B, N, T), den.reshape(B, N, T)
 
   # A chunk the mask hides whole (a ring hop before the queries' documents start) costs no kernel launch.

@@ -101,6 +101,15 @@ def rows_view(x_BNT, groups):
   return x_BNT.reshape(B, N // groups, groups, T)
 
 
+def dispatch(make_call, *operands, interpret: bool | None = None):
+  """`make_call(interpret)(*operands)`: Mosaic where the step is lowered for a TPU, the Pallas interpreter elsewhere.
+  Chosen when lowering, not from the default backend, so an ahead-of-time TPU compile on a CPU host gets the real
+  kernel (`lax.platform_dependent` lowers only the branch of the platform compiled for). `interpret` forces it."""
+  if interpret is not None:
+    return make_call(interpret)(*operands)
+  return jax.lax.platform_dependent(*operands, tpu=make_call(False), default=make_call(True))
+
+
 def check(x: jax.Array, what: str) -> None:
   if x.shape[-1] % LANES:
     raise ValueError(f"the flash kernel needs {what} to be a multiple of {LANES}, got {x.shape[-1]}")
