@@ -119,6 +119,12 @@ BASE = dict(context=8, tensor=1, n_heads=8, n_kv_heads=2, seq_len=1024, kernel="
     ("all_gather", dict(n_heads=6, n_kv_heads=4), r"n_heads 6 is not a multiple of n_kv_heads 4"),
     ("all_gather", dict(tensor=4), r"the tensor axis \(4\) must divide both n_heads 8 and n_kv_heads 2"),
     ("ring", dict(kernel="splash"), r"attention.kernel 'splash' runs only on tpu, not on cpu"),
+    ("ring", dict(kernel="flash"), r"attention.kernel 'flash' runs only on tpu, not on cpu; use attention.kernel="
+                                   r"blockwise there\."),
+    ("ring", dict(kernel="flash", platform="tpu", block_kv=100), r"attention.block_kv 100 is not a multiple of 128"),
+    ("usp", dict(kernel="flash", platform="tpu", seq_len=512), r"the flash kernel needs the 64 tokens per device"),
+    ("ring", dict(kernel="flash", platform="tpu", head_dim=64), r"the flash kernel needs model.head_dim to be a "
+                                                                r"multiple of 128"),
 ])
 def test_validate_refuses_with_one_sentence(strategy, changes, message):
   with pytest.raises(ConfigError, match=message) as err:
@@ -130,6 +136,12 @@ def test_validate_accepts_kv_heads_below_the_all_to_all_degree():
   attention.validate("ulysses", attention.Problem(**BASE))                       # 2 KV heads over 8 devices
   attention.validate("usp", attention.Problem(**{**BASE, "ulysses_degree": 4}))
   attention.validate("usp", attention.Problem(**BASE))                           # default degree
+
+
+@pytest.mark.parametrize("strategy", ["all_gather", "ulysses", "ring", "usp"])
+def test_validate_accepts_flash_on_tpu_under_every_strategy(strategy):
+  attention.validate(strategy, attention.Problem(**{**BASE, "kernel": "flash", "platform": "tpu", "head_dim": 128,
+                                                    "load_balance": True, "block_q": 256, "block_kv": 512}))
 
 
 # --- compiled HLO: context parallelism did not switch itself off ------------------------------------------------
