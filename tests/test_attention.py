@@ -365,4 +365,13 @@ def test_bench_attention_script_reports_every_row(tmp_path):
   assert [r["strategy"] for r in rows] == ["ring"]
   for r in rows:
     assert r["fwd_ms"] is None and r["fwd_bwd_ms"] is None and r["fwd_bwd_vs_baseline"] is None
+    assert not r["interpreted"]
     assert r["temp_mib"] > 0
+
+  # A TPU kernel on the CPU runs in the Pallas interpreter, and its row says so (its times are not the kernel's).
+  bench.main(["--seq-len", "1024", "--strategies", "ring", "--kernel", "flash", "--head-dim", "128", "--heads", "2",
+              "--kv-heads", "1", "--block-q", "128", "--block-kv", "128", "--iters", "0", "--no-baseline",
+              "--json", str(out)])
+  rows = json.loads(out.read_text())["rows"]
+  assert [(r["strategy"], r["kernel"], r["interpreted"]) for r in rows] == [("ring", "flash", True)]
+  assert rows[0]["temp_mib"] > 0
