@@ -141,16 +141,17 @@ def test_offloaded_layer_inputs_leave_hbm(tiny_path):
 
 
 @needs_libtpu
-def test_splash_kernel_compiles_for_tpu(tiny_path):
-  # The Pallas splash kernel is only interpreted on the CPU; here the TPU compiler lowers it (Mosaic), forward and
-  # both backward kernels, inside the full train step under ulysses (the one strategy splash's mask allows).
+def test_flash_kernel_compiles_for_tpu_under_ulysses(tiny_path):
+  # Whole-sequence use of the flash kernel (its own custom_vjp around the same Mosaic kernels) in the full train
+  # step under ulysses with zigzag load balancing, which a kernel that read causality from token order could not do.
   config, options = compile_lib.load(tiny_path, [
-      "attention.strategy=ulysses", "attention.kernel=splash", "attention.load_balance=false", "model.head_dim=128",
+      "attention.strategy=ulysses", "attention.kernel=flash", "attention.load_balance=true", "model.head_dim=128",
       "mesh.ici.context=2", "data.seq_len=1024"])
   report = compile_lib.compile_for(config, options, inspect=lambda compiled: {"hlo": compiled.as_text()})
   assert report["fits"] and report["attention_collectives"]["all-to-all"] > 0
-  for kernel in ("splash_mqa_fwd", "splash_mqa_dq", "splash_mqa_dkv"):
-    assert kernel in report["hlo"], kernel
+  calls = {line.split("=")[0].strip().split(".")[0].lstrip("%") for line in report["hlo"].splitlines()
+           if 'custom_call_target="tpu_custom_call"' in line}
+  assert calls == {"maxctx_flash_fwd", "maxctx_flash_dq", "maxctx_flash_dkv"}
 
 
 def _computations(hlo: str) -> dict[str, list[str]]:

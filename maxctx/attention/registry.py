@@ -52,10 +52,6 @@ class Strategy:
                         "use attention.kernel=blockwise there.")
     if kernels.KERNELS[p.kernel].check is not None and (reason := kernels.KERNELS[p.kernel].check(p)):
       raise ConfigError(reason)
-    if kernels.KERNELS[p.kernel].document_order and not self.keeps_document_order(p):
-      raise ConfigError(f"attention.kernel {p.kernel!r} reads causality from token order over the whole sequence, "
-                        f"which attention.strategy {self.name} with load_balance={str(p.load_balance).lower()} "
-                        "does not give it; use ulysses with attention.load_balance=false, or kernel blockwise.")
     if p.n_heads % p.n_kv_heads:
       raise ConfigError(f"model n_heads {p.n_heads} is not a multiple of n_kv_heads {p.n_kv_heads}; "
                         "grouped-query attention needs whole groups.")
@@ -73,11 +69,6 @@ class Strategy:
   def build(self, mesh: Mesh, *, kernel: str, load_balance: bool, ulysses_degree: int | None,
             block_q: int | None, block_kv: int | None) -> AttentionFn:
     raise NotImplementedError
-
-
-  def keeps_document_order(self, p: Problem) -> bool:
-    """Whether each device's kernel sees queries and keys of the whole sequence in natural order."""
-    return p.context == 1 and not p.load_balance
 
   @staticmethod
   def shard(mesh: Mesh, per_device: Callable) -> AttentionFn:
