@@ -98,7 +98,7 @@ def attention_problem(config: Config, sizes: dict[str, int], platform: str | Non
   return attention.Problem(
       context=sizes["context"], tensor=sizes["tensor"], n_heads=m.n_heads, n_kv_heads=m.n_kv_heads,
       seq_len=config.data.seq_len, kernel=a.kernel, load_balance=a.load_balance, ulysses_degree=a.ulysses_degree,
-      block_q=a.block_q, block_kv=a.block_kv, platform=platform)
+      block_q=a.block_q, block_kv=a.block_kv, platform=platform, head_dim=m.head_dim)
 
 
 def build_model(config: Config, mesh: Mesh | None) -> Transformer:

@@ -9,6 +9,7 @@ each strategy on context=8 with packed documents, GQA and zigzag; the full matri
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -22,8 +23,21 @@ from maxctx import sharding
 from maxctx.attention import kernels, layout, ring
 from maxctx.errors import ConfigError
 
-B, T, H = 2, 128, 16
-BLOCK = 8   # small tiles, so documents shorter than a block and tile skipping are both exercised
+B = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  """Sequence length, head dim and block size of a kernel's runs: small tiles, so documents shorter than a block and
+  tile skipping are both exercised. flash needs multiples of 128 (the TPU's lanes) for its blocks and head dim, so
+  it runs 128 tokens per device; the Pallas interpreter then runs it at a few seconds per strategy."""
+  t: int = 128
+  h: int = 16
+  block: int = 8
+
+
+CASES = {"blockwise": Case(), "flash": Case(t=1024, h=128, block=128)}
+T, H, BLOCK = CASES["blockwise"].t, CASES["blockwise"].h, CASES["blockwise"].block
 MESHES = {"ctx8": (1, 1, 8, 1), "fsdp2_ctx4": (1, 2, 4, 1), "data2_ctx2_tp2": (2, 1, 2, 2)}
 HEADS = {"mha": (8, 8), "gqa4": (16, 4), "kv1": (8, 1)}
 STRATEGIES = {"all_gather": ("all_gather", None), "ulysses": ("ulysses", None), "ring": ("ring", None),
@@ -36,12 +50,13 @@ def make_mesh(shape):
   return Mesh(np.array(jax.devices()[:int(np.prod(shape))]).reshape(shape), ("data", "fsdp", "context", "tensor"))
 
 
-def doc_ids(rng, with_padding):
+def doc_ids(rng, with_padding, case=CASES["blockwise"]):
   """Segment ids and positions of one packed row: short documents (some shorter than a block), one document long
   enough to span every device, more short ones, and optionally a padding tail (segment 0)."""
-  lengths = list(rng.integers(1, BLOCK, size=3)) + [T - 40]
+  T = case.t
+  lengths = list(rng.integers(1, case.block, size=3)) + [T - 5 * case.block]
   while sum(lengths) < T - (5 if with_padding else 0):
-    lengths.append(int(rng.integers(1, 2 * BLOCK)))
+    lengths.append(int(rng.integers(1, 2 * case.block)))
   seg, pos = [], []
   for i, n in enumerate(lengths):
     seg += [i + 1] * n
@@ -53,17 +68,18 @@ def doc_ids(rng, with_padding):
   return seg, pos
 
 
-def tokens(mask, seed=0):
+def tokens(mask, seed=0, case=CASES["blockwise"]):
   if mask == "causal":
-    return np.ones((B, T), np.int32), np.tile(np.arange(T, dtype=np.int32), (B, 1))
+    return np.ones((B, case.t), np.int32), np.tile(np.arange(case.t, dtype=np.int32), (B, 1))
   rng = np.random.default_rng(seed)
-  rows = [doc_ids(rng, with_padding=(b == 0)) for b in range(B)]
+  rows = [doc_ids(rng, with_padding=(b == 0), case=case) for b in range(B)]
   return np.stack([r[0] for r in rows]).astype(np.int32), np.stack([r[1] for r in rows]).astype(np.int32)
 
 
-def tensors(n_heads, kv_heads, dtype, seed=0):
+def tensors(n_heads, kv_heads, dtype, seed=0, case=CASES["blockwise"]):
   """q, k, v and an output cotangent, rounded to `dtype` and returned in float32 numpy (the reference's inputs)."""
   rng = np.random.default_rng(seed)
+  T, H = case.t, case.h
   shapes = [(B, T, n_heads, H), (B, T, kv_heads, H), (B, T, kv_heads, H), (B, T, n_heads, H)]
   return [np.asarray(jnp.asarray(rng.normal(size=s), dtype).astype(jnp.float32)) for s in shapes]
 
@@ -77,9 +93,9 @@ def _reference_vjp():
 
 
 @functools.cache
-def reference(n_heads, kv_heads, dtype, mask):
-  q, k, v, dout = tensors(n_heads, kv_heads, dtype)
-  seg, pos = tokens(mask)
+def reference(n_heads, kv_heads, dtype, mask, case=CASES["blockwise"]):
+  q, k, v, dout = tensors(n_heads, kv_heads, dtype, case=case)
+  seg, pos = tokens(mask, case=case)
   with jax.default_device(jax.devices()[0]):
     return [np.asarray(x) for x in _reference_vjp()(q, k, v, seg, pos, dout)]
 
@@ -97,13 +113,17 @@ def expected_refusal(strategy, degree, mesh_shape, n_heads, kv_heads):
   return None
 
 
-def check(strategy_key, mesh_key, heads_key, dtype=jnp.float32, masks=MASKS, zigzag=(False, True)):
+def check(strategy_key, mesh_key, heads_key, dtype=jnp.float32, masks=MASKS, zigzag=(False, True),
+          kernel="blockwise"):
   strategy, degree = STRATEGIES[strategy_key]
+  case = CASES[kernel]
   mesh_shape = MESHES[mesh_key]
   n_heads, kv_heads = HEADS[heads_key]
   context, tensor = mesh_shape[2], mesh_shape[3]
-  problem = attention.Problem(context=context, tensor=tensor, n_heads=n_heads, n_kv_heads=kv_heads, seq_len=T,
-                              kernel="blockwise", load_balance=True, ulysses_degree=degree)
+  # flash is validated as on the TPU it is for (off it, validate refuses training) and runs in the interpreter.
+  problem = attention.Problem(context=context, tensor=tensor, n_heads=n_heads, n_kv_heads=kv_heads, seq_len=case.t,
+                              kernel=kernel, load_balance=True, ulysses_degree=degree, block_q=case.block,
+                              block_kv=case.block, platform="tpu" if kernel == "flash" else None, head_dim=case.h)
   refusal = expected_refusal(strategy, degree, mesh_shape, n_heads, kv_heads)
   if refusal:
     with pytest.raises(ConfigError, match="^" + refusal):
@@ -112,7 +132,8 @@ def check(strategy_key, mesh_key, heads_key, dtype=jnp.float32, masks=MASKS, zig
   attention.validate(strategy, problem)
 
   mesh = make_mesh(mesh_shape)
-  fn = attention.build(strategy, mesh, ulysses_degree=degree, block_q=BLOCK, block_kv=BLOCK)
+  fn = attention.build(strategy, mesh, kernel=kernel, ulysses_degree=degree, block_q=case.block,
+                       block_kv=case.block)
 
   @jax.jit
   def run(q, k, v, seg, pos, dout):
@@ -121,10 +142,10 @@ def check(strategy_key, mesh_key, heads_key, dtype=jnp.float32, masks=MASKS, zig
 
   heads_sharding = NamedSharding(mesh, P(sharding.BATCH_AXES, sharding.SEQ_AXIS, sharding.HEAD_AXIS, None))
   token_sharding = NamedSharding(mesh, P(sharding.BATCH_AXES, sharding.SEQ_AXIS))
-  q, k, v, dout = tensors(n_heads, kv_heads, dtype)
+  q, k, v, dout = tensors(n_heads, kv_heads, dtype, case=case)
   for mask in masks:
-    want = reference(n_heads, kv_heads, dtype, mask)
-    seg, pos = tokens(mask)
+    want = reference(n_heads, kv_heads, dtype, mask, case)
+    seg, pos = tokens(mask, case=case)
     for zz in zigzag:
       arrays = [q, k, v, seg, pos, dout]
       if zz:
@@ -139,7 +160,7 @@ def check(strategy_key, mesh_key, heads_key, dtype=jnp.float32, masks=MASKS, zig
         scale = max(1.0, float(np.abs(w).max()))
         err = float(np.abs(g - w).max())
         assert err <= TOLERANCE[dtype] * scale, (
-            f"{strategy_key} {mesh_key} {heads_key} {mask} zigzag={zz} {jnp.dtype(dtype).name}: {name} max abs "
+            f"{kernel} {strategy_key} {mesh_key} {heads_key} {mask} zigzag={zz} {jnp.dtype(dtype).name}: {name} max abs "
             f"error {err:.3g} > {TOLERANCE[dtype]} × {scale:.3g}")
 
 
@@ -174,11 +195,13 @@ def test_fast_sub_chunked_hops(strategy_key, heads_key, monkeypatch):
   check(strategy_key, "ctx8", heads_key, masks=("packed",), zigzag=(True,))
 
 
-def plan(strategy_key, heads_key):
-  """`ring.pass_plan` for this suite's per-device shapes on context=8."""
+def plan(strategy_key, heads_key, kernel="blockwise"):
+  """`ring.pass_plan` for this suite's per-device shapes on context=8, as the ring plans it for `kernel`."""
   n_heads, kv_heads = HEADS[heads_key]
-  local = lambda heads: jax.ShapeDtypeStruct((B, T // 8, heads, H), jnp.float32)  # noqa: E731
-  return ring.pass_plan(local(n_heads), local(kv_heads), STRATEGIES[strategy_key][1] or 1, BLOCK)
+  case = CASES[kernel]
+  local = lambda heads: jax.ShapeDtypeStruct((B, case.t // 8, heads, case.h), jnp.float32)  # noqa: E731
+  return ring.pass_plan(local(n_heads), local(kv_heads), STRATEGIES[strategy_key][1] or 1,
+                        fit_kv=kernels.parts(kernel, case.block, case.block).fit_kv)
 
 
 @pytest.mark.slow
@@ -203,3 +226,33 @@ def test_refusals_are_expected():
   assert ("usp4", "data2_ctx2_tp2", "mha") in refused
   assert ("ring", "data2_ctx2_tp2", "kv1") in refused
   assert not any(m == "ctx8" for _, m, _ in refused)
+
+
+# --- flash: the TPU Pallas kernel, run by the Pallas interpreter -----------------------------------------------------
+
+@pytest.mark.parametrize("strategy_key", list(STRATEGIES))
+def test_flash_context8_packed_gqa(strategy_key):
+  """Every strategy with the flash kernel: GQA 4:1 (ulysses replicating KV heads), packed documents of random
+  lengths (some shorter than a block, padding in one row) in both layouts, forward and dq/dk/dv."""
+  check(strategy_key, "ctx8", "gqa4", masks=("packed",), kernel="flash")
+
+
+@pytest.mark.parametrize("strategy_key", ["ring", "usp4"])
+def test_flash_mha_causal(strategy_key):
+  """GQA 1:1 under one causal document: whole tiles shown, cut and hidden by positions alone, both layouts."""
+  check(strategy_key, "ctx8", "mha", masks=("causal",), kernel="flash")
+
+
+@pytest.mark.parametrize("strategy_key", ["ring", "usp2"])
+def test_flash_bfloat16(strategy_key):
+  check(strategy_key, "ctx8", "gqa4", jnp.bfloat16, masks=("packed",), zigzag=(True,), kernel="flash")
+
+
+@pytest.mark.parametrize("strategy_key", ["ring", "usp2"])
+def test_flash_one_kv_head_per_pass(strategy_key, monkeypatch):
+  """Passes of one KV head, as at long sequence lengths: the kernel reads q, dout and delta at a head offset (its
+  index maps, no copy); under usp2 each pass's tokens also travel in sub-chunks of whole 128-token key blocks."""
+  monkeypatch.setattr(ring, "PASS_BYTES", 1)
+  n, _, _, subs = plan(strategy_key, "gqa4", "flash")
+  assert n > 1 and subs == (2 if strategy_key == "usp2" else 1)
+  check(strategy_key, "ctx8", "gqa4", masks=("packed",), zigzag=(True,), kernel="flash")

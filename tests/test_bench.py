@@ -110,7 +110,12 @@ def test_roofline_estimate_is_the_largest_part_and_labelled():
   assert est["est_network_s"] == pytest.approx(1.0)  # 100 GB over one link at 100 GB/s
   assert est["est_step_s"] == pytest.approx(4.0) and est["est_bound"] == "compute"
   assert est["est_mfu"] == pytest.approx(0.75)
+  assert est["est_step_s_range"] is None   # blockwise: no measured comparable, only the ceiling
   assert "2,307" in roofline.table() and "7,380" in roofline.table()
+  # flash: compute at the measured shares of peak (0.73 and 0.037), each step still at least the network's 1 s.
+  est = roofline.estimate({**rep, "kernel": "flash"}, topo)
+  assert est["est_step_s_range"] == pytest.approx((4.0 / 0.73, 4.0 / 0.037))
+  assert est["est_mfu_range"] == pytest.approx((0.75 * 0.73, 0.75 * 0.037))
 
 
 @needs_libtpu

@@ -3,6 +3,7 @@ up in the compiled HLO, memory is read back, and a step too large for HBM is rep
 
 import importlib.util
 import json
+import re
 
 import pytest
 
@@ -141,13 +142,75 @@ def test_offloaded_layer_inputs_leave_hbm(tiny_path):
 
 
 @needs_libtpu
-def test_splash_kernel_compiles_for_tpu(tiny_path):
-  # The Pallas splash kernel is only interpreted on the CPU; here the TPU compiler lowers it (Mosaic), forward and
-  # both backward kernels, inside the full train step under ulysses (the one strategy splash's mask allows).
+def test_flash_kernel_compiles_for_tpu_under_ulysses(tiny_path):
+  # Whole-sequence use of the flash kernel (its own custom_vjp around the same Mosaic kernels) in the full train
+  # step under ulysses with zigzag load balancing, which a kernel that read causality from token order could not do.
   config, options = compile_lib.load(tiny_path, [
-      "attention.strategy=ulysses", "attention.kernel=splash", "attention.load_balance=false", "model.head_dim=128",
+      "attention.strategy=ulysses", "attention.kernel=flash", "attention.load_balance=true", "model.head_dim=128",
       "mesh.ici.context=2", "data.seq_len=1024"])
   report = compile_lib.compile_for(config, options, inspect=lambda compiled: {"hlo": compiled.as_text()})
   assert report["fits"] and report["attention_collectives"]["all-to-all"] > 0
-  for kernel in ("splash_mqa_fwd", "splash_mqa_dq", "splash_mqa_dkv"):
-    assert kernel in report["hlo"], kernel
+  calls = {line.split("=")[0].strip().split(".")[0].lstrip("%") for line in report["hlo"].splitlines()
+           if 'custom_call_target="tpu_custom_call"' in line}
+  assert calls == {"maxctx_flash_fwd", "maxctx_flash_dq", "maxctx_flash_dkv"}
+
+
+def _computations(hlo: str) -> dict[str, list[str]]:
+  """The compiled HLO's computations by name, each as its instruction lines."""
+  comps, name = {}, None
+  for line in hlo.splitlines():
+    if m := re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line):
+      name = m.group(1)
+      comps[name] = []
+    elif line.startswith("}"):
+      name = None
+    elif name is not None:
+      comps[name].append(line)
+  return comps
+
+
+def _callees(line: str) -> list[str]:
+  refs = re.findall(r"(?:body|condition|to_apply|calls|branch_computations|true_computation|false_computation)="
+                    r"(\{[^}]*\}|%?[\w.\-]+)", line)
+  return [n.strip().lstrip("%") for ref in refs for n in ref.strip("{}").split(",")]
+
+
+def _ring_kernels(hlo: str) -> set[str]:
+  """The Mosaic kernels (tpu_custom_call, by instruction name) that run inside a loop whose body sends with a
+  collective-permute: inside the ring's hops, reached through the loop body's conditionals and calls."""
+  comps = _computations(hlo)
+  bodies = {n for lines in comps.values() for line in lines if " while(" in line
+            for n in re.findall(r"body=%?([\w.\-]+)", line)}
+  found = set()
+  for body in (b for b in bodies if any("collective-permute" in line for line in comps.get(b, []))):
+    seen, todo = set(), [body]
+    while todo:
+      name = todo.pop()
+      if name in seen or name not in comps:
+        continue
+      seen.add(name)
+      for line in comps[name]:
+        todo += _callees(line)
+        if 'custom_call_target="tpu_custom_call"' in line:
+          found.add(re.match(r"\s*(?:ROOT )?%?([a-z_]+)", line).group(1))
+  return found
+
+
+@needs_libtpu
+@pytest.mark.parametrize("topo", ["v5p:2x2x1", pytest.param("tpu7x:2x2x1", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("strategy", ["ring", "usp"])
+def test_flash_kernel_runs_inside_the_ring(tiny_path, topo, strategy):
+  # The whole train step with the flash kernel, lowered by Mosaic for the TPU (not interpreted): forward and both
+  # backward kernels sit inside the ring's hop loop, and no array is as large as the local queries times their keys.
+  # 640 tokens per device (usp: 1,280 per all-to-all group) keep those lengths apart from every other dimension.
+  config, options = compile_lib.load(tiny_path, [f"compile.topology={topo}", f"attention.strategy={strategy}",
+                                                 "attention.kernel=flash", "model.head_dim=128",
+                                                 "data.seq_len=2560"])
+  report = compile_lib.compile_for(config, options, inspect=lambda compiled: {"hlo": compiled.as_text()})
+  assert report["fits"] and report["attention_collectives"]["collective-permute"] > 0
+  assert _ring_kernels(report["hlo"]) == {"maxctx_flash_fwd", "maxctx_flash_dq", "maxctx_flash_dkv"}
+  lengths = (640, 1280) if strategy == "usp" else (640,)
+  shapes = set(re.findall(r"\[([\d,]+)\]", report["hlo"]))
+  quadratic = [s for s in shapes if any(f"{a},{b}" in f",{s}," or s.startswith(f"{a},{b}") or s.endswith(f"{a},{b}")
+                                        for a in lengths for b in lengths)]
+  assert not quadratic, quadratic

@@ -9,7 +9,7 @@ contract"), so every strategy is exact under the zigzag layout.
 
 Modules: registry (names → strategies, `Problem`, shared checks) · all_gather · ulysses (all-to-all, KV-head
 replication) · ring (ppermute ring, custom_vjp) · usp (all-to-all in groups, ring across) · kernels (reference,
-blockwise, splash, cudnn) · blockwise (online softmax pieces) · mask (the mask and the block-skip tests) · layout
+blockwise, flash, cudnn) · blockwise (online softmax pieces) · mask (the mask and the block-skip tests) · layout
 (zigzag on the host).
 """
 

@@ -106,7 +106,11 @@ class Blockwise:
   upcast: bool = False
 
   def _blocks(self, tq, tk):
-    return fit_block(self.block_q, tq), fit_block(self.block_kv, tk)
+    return fit_block(self.block_q, tq), self.fit_kv(tk)
+
+  def fit_kv(self, length: int) -> int:
+    """The key block this kernel uses for `length` keys (the ring cuts sub-chunks in whole blocks)."""
+    return fit_block(self.block_kv, length)
 
   def _cast(self, *xs):
     return tuple(x.astype(_F32) for x in xs) if self.upcast else xs

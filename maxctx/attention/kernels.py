@@ -16,7 +16,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from maxctx.attention import cudnn, mask, splash
+from maxctx.attention import cudnn, flash, mask
 from maxctx.attention.blockwise import Blockwise, attend_fn
 
 Kernel = Callable[..., jax.Array]
@@ -28,7 +28,7 @@ class KernelSpec:
   make: Callable[[int | None, int | None], Kernel]
   parts: Callable[[int | None, int | None], Blockwise] | None = None
   platforms: tuple[str, ...] | None = None   # None: every backend
-  document_order: bool = False   # reads causality from token order, not positions: whole sequence, natural layout
+  check: Callable[..., str | None] | None = None   # why it cannot run a `registry.Problem` (a sentence), or None
 
 
 KERNELS: dict[str, KernelSpec] = {}
@@ -61,9 +61,9 @@ register("reference", KernelSpec(make=lambda bq, bk: reference,
                                  parts=lambda bq, bk: Blockwise(_WHOLE, _WHOLE, upcast=True)))
 register("blockwise", KernelSpec(make=lambda bq, bk: attend_fn(Blockwise(bq, bk)),
                                  parts=lambda bq, bk: Blockwise(bq, bk)))
-# Off its platform (tests) splash runs in the Pallas interpreter and cudnn through XLA; validate refuses both there.
-register("splash", KernelSpec(make=lambda bq, bk: splash.make(bq, bk, interpret=jax.default_backend() != "tpu"),
-                              platforms=("tpu",), document_order=True))
+# flash serves every strategy on TPU; off it (tests) it runs in the Pallas interpreter and cudnn through XLA, and
+# validate refuses training with either there.
+register("flash", KernelSpec(make=flash.make, parts=flash.parts, platforms=("tpu",), check=flash.check))
 register("cudnn", KernelSpec(make=cudnn.make, platforms=("gpu",)))
 
 

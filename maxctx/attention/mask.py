@@ -40,21 +40,32 @@ def summarize(segment_ids_BT, positions_BT, block: int):
   return lo_seg, lo_pos, hi_seg, hi_pos, ~jnp.all(real, axis=-1)
 
 
-def hidden(q_summary, kv_summary):
-  """Boolean [nq, nk]: True where no query of block i sees any key of block j, in every row of the batch."""
-  q_lo_seg, _, q_hi_seg, q_hi_pos, _ = (x[:, :, None] for x in q_summary)
-  kv_lo_seg, kv_lo_pos, kv_hi_seg, _, _ = (x[:, None, :] for x in kv_summary)
+def pair_hidden(q_summary, kv_summary):
+  """Whether no query of a block with `q_summary` sees any key of a block with `kv_summary`, elementwise: the
+  summaries' fields may be arrays that broadcast or scalars (the Pallas kernels test one tile pair at a time)."""
+  q_lo_seg, _, q_hi_seg, q_hi_pos, _ = q_summary
+  kv_lo_seg, kv_lo_pos, kv_hi_seg, _, _ = kv_summary
   empty = (q_hi_seg == 0) | (kv_lo_seg == _BIG)
   disjoint = (q_hi_seg < kv_lo_seg) | (kv_hi_seg < q_lo_seg)
   later = (kv_lo_seg == q_hi_seg) & (kv_lo_pos > q_hi_pos)
-  return jnp.all(empty | disjoint | later, axis=0)
+  return empty | disjoint | later
+
+
+def pair_full(q_summary, kv_summary):
+  """Whether every query of the block sees every key of the other, elementwise as `pair_hidden`: one document on
+  both sides, no padding, and the key block's last position not after the query block's first. Such tiles need no
+  mask at all. The padding flags must be booleans."""
+  q_lo_seg, q_lo_pos, q_hi_seg, _, q_pad = q_summary
+  kv_lo_seg, _, kv_hi_seg, kv_hi_pos, kv_pad = kv_summary
+  one_doc = (q_lo_seg == q_hi_seg) & (kv_lo_seg == kv_hi_seg) & (q_lo_seg == kv_lo_seg)
+  return one_doc & ~q_pad & ~kv_pad & (kv_hi_pos <= q_lo_pos)
+
+
+def hidden(q_summary, kv_summary):
+  """Boolean [nq, nk]: True where no query of block i sees any key of block j, in every row of the batch."""
+  return jnp.all(pair_hidden([x[:, :, None] for x in q_summary], [x[:, None, :] for x in kv_summary]), axis=0)
 
 
 def full(q_summary, kv_summary):
-  """Boolean [nq, nk]: True where every query of block i sees every key of block j, in every row: one document
-  on both sides, no padding, and the key block's last position not after the query block's first. Such tiles need
-  no mask at all."""
-  q_lo_seg, q_lo_pos, q_hi_seg, _, q_pad = (x[:, :, None] for x in q_summary)
-  kv_lo_seg, _, kv_hi_seg, kv_hi_pos, kv_pad = (x[:, None, :] for x in kv_summary)
-  one_doc = (q_lo_seg == q_hi_seg) & (kv_lo_seg == kv_hi_seg) & (q_lo_seg == kv_lo_seg)
-  return jnp.all(one_doc & ~q_pad & ~kv_pad & (kv_hi_pos <= q_lo_pos), axis=0)
+  """Boolean [nq, nk]: True where every query of block i sees every key of block j, in every row (`pair_full`)."""
+  return jnp.all(pair_full([x[:, :, None] for x in q_summary], [x[:, None, :] for x in kv_summary]), axis=0)

@@ -32,6 +32,7 @@ class Problem:
   block_q: int | None = None
   block_kv: int | None = None
   platform: str | None = None   # backend that will run it ("cpu", "gpu", "tpu"); None: the default backend
+  head_dim: int | None = None   # None: not known (kernels that constrain it check it only when given)
 
 
 class Strategy:
@@ -49,10 +50,8 @@ class Strategy:
     if platforms is not None and platform not in platforms:
       raise ConfigError(f"attention.kernel {p.kernel!r} runs only on {' or '.join(platforms)}, not on {platform}; "
                         "use attention.kernel=blockwise there.")
-    if kernels.KERNELS[p.kernel].document_order and not self.keeps_document_order(p):
-      raise ConfigError(f"attention.kernel {p.kernel!r} reads causality from token order over the whole sequence, "
-                        f"which attention.strategy {self.name} with load_balance={str(p.load_balance).lower()} "
-                        "does not give it; use ulysses with attention.load_balance=false, or kernel blockwise.")
+    if kernels.KERNELS[p.kernel].check is not None and (reason := kernels.KERNELS[p.kernel].check(p)):
+      raise ConfigError(reason)
     if p.n_heads % p.n_kv_heads:
       raise ConfigError(f"model n_heads {p.n_heads} is not a multiple of n_kv_heads {p.n_kv_heads}; "
                         "grouped-query attention needs whole groups.")
@@ -77,10 +76,6 @@ class Strategy:
     for `rows` sequences per device: a bound below which no compile can go. 0 where the strategy holds only chunks
     of its own share (the compiled step's memory is then the measure)."""
     return 0
-
-  def keeps_document_order(self, p: Problem) -> bool:
-    """Whether each device's kernel sees queries and keys of the whole sequence in natural order."""
-    return p.context == 1 and not p.load_balance
 
   @staticmethod
   def shard(mesh: Mesh, per_device: Callable) -> AttentionFn:

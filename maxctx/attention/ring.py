@@ -47,14 +47,15 @@ PASS_BYTES = 2 * 2**20
 KV_SHARE = 8
 
 
-def pass_plan(q_BTNH, k_BTKH, degree: int = 1, block_kv: int | None = None):
+def pass_plan(q_BTNH, k_BTKH, degree: int = 1, block_kv: int | None = None, fit_kv=None):
   """(passes, KV heads per pass, query heads per KV head, sub-chunks per hop) for local q and K shaped like these,
   under an all-to-all of `degree` (USP; 1 is the ring). A pass takes the most KV heads whose K and V (as given)
   stay within `PASS_BYTES` per hop, or else the fewest; either way a divisor of K whose query heads the all-to-all
   splits. When even the fewest exceed it, the local tokens travel in the fewest sub-chunks whose hop (K and V as
   carried, after USP's KV head copies) is at most 1/`KV_SHARE` of the pass's query-side bytes; a sub-chunk must be a
-  whole number of the kernel's key blocks (`block_kv`; fit as the kernel fits it to the unsplit chunk), and when no
-  count reaches the share the most that the blocks allow is taken (the `reference` kernel's one block: none)."""
+  whole number of the kernel's key blocks (the kernel's `fit_kv(length)` when given, else `block_kv` as blockwise
+  fits it, either fit to the unsplit chunk), and when no count reaches the share the most that the blocks allow is
+  taken (the `reference` kernel's one block: none)."""
   N, K = q_BTNH.shape[2], k_BTKH.shape[2]
   G = N // K
   valid = [d for d in range(1, K + 1) if K % d == 0 and d * G % degree == 0]
@@ -67,7 +68,7 @@ def pass_plan(q_BTNH, k_BTKH, degree: int = 1, block_kv: int | None = None):
   # A hop carries the pass's KV heads as replicated for the all-to-all; after it, its tokens are degree × T.
   hop_bytes = per * kv_replication(per, degree) * head_bytes
   query_bytes = per * G * B * T * H * (jnp.dtype(q_BTNH.dtype).itemsize + 4)
-  block = fit_block(block_kv, degree * T)
+  block = (fit_kv or (lambda length: fit_block(block_kv, length)))(degree * T)
   cuts = [s for s in range(1, T + 1) if T % s == 0 and degree * T // s % block == 0]
   return K // per, per, G, next((s for s in cuts if hop_bytes / s <= query_bytes / KV_SHARE), cuts[-1])
 
@@ -162,7 +163,7 @@ def ring_attention(parts: Blockwise, axis: str, perm: list[tuple[int, int]], hop
     return n + jnp.minimum(jax.lax.axis_index(axis), 0)
 
   def plan(q_BTNH, k_BTKH):
-    return pass_plan(q_BTNH, k_BTKH, degree, parts.block_kv)
+    return pass_plan(q_BTNH, k_BTKH, degree, fit_kv=parts.fit_kv)
 
   def forward(q_BTNH, k_BTKH, v_BTKH, seg_BT, pos_BT):
     n, per, G, subs = plan(q_BTNH, k_BTKH)

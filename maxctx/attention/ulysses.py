@@ -93,9 +93,6 @@ def check_heads(p, degree: int, name: str, fix: str) -> None:
 class Ulysses(Strategy):
   name = "ulysses"
 
-  def keeps_document_order(self, p):
-    return not p.load_balance
-
   def validate(self, p):
     super().validate(p)
     check_heads(p, p.context, self.name, "use ring, or usp with an attention.ulysses_degree that divides them.")

@@ -124,6 +124,10 @@ def estimate_all(config, cases, args, out: pathlib.Path) -> tuple[list[dict], st
       log.info("[%d/%d] %s %s: %s; est. step %.3g s (%s bound), est. MFU %.1f%% (%s)", i, len(cases), case.strategy,
                rec["length"], "fits" if rec["fits"] else rec["reason"], rec["est_step_s"], rec["est_bound"],
                100 * rec["est_mfu"], rec["source"])
+      if rec.get("est_step_s_range"):
+        log.info("  with %s's measured range of kernel efficiency %s: est. step %.3g-%.3g s, est. MFU %.1f-%.1f%%",
+                 rec.get("kernel"), rec["est_kernel_efficiency"], *rec["est_step_s_range"],
+                 *(100 * m for m in rec["est_mfu_range"]))
     else:
       log.info("[%d/%d] %s %s: %s: %s", i, len(cases), case.strategy, rec["length"], rec["status"],
                rec.get("reason", ""))

@@ -12,10 +12,13 @@ The model, per device, from the compile report of `maxctx.compile.compile_for` a
              chip's devices
   step     = max(compute, memory, network): perfect overlap, the roofline bound (the no-overlap sum is reported too)
   MFU      = model FLOPs per step / (step × devices × peak per device); tokens/s = tokens per step / step
-The peak assumes the matmuls run at the chip's bf16 peak; the pure-JAX blockwise kernel will not, so real step times
-will be longer. Not modelled: the host transfers of `remat: full_offload` (its saved layer inputs go to host memory
-and back once per step), and DCN, which is listed for multi-slice work but not used (single slice only). The chips'
-figures and their sources are maxctx/chips.py's.
+The peak assumes the matmuls run at the chip's bf16 peak, which no attention kernel reaches, so `est_step_s` is a
+ceiling, not a forecast. For a kernel with a measured comparable (`KERNEL_EFFICIENCY`: flash) the estimate also gives
+`est_step_s_range` and `est_mfu_range`: compute at the low and high measured share of peak (the whole step's FLOPs,
+since at millions of tokens attention is nearly all of them). The pure-JAX blockwise kernel has no such measurement
+here; its real step times will be longer than the ceiling by an unknown factor. Not modelled: the host transfers of
+`remat: full_offload` (its saved layer inputs go to host memory and back once per step), and DCN, which is listed for
+multi-slice work but not used (single slice only). The chips' figures and their sources are maxctx/chips.py's.
 """
 
 from __future__ import annotations
@@ -27,6 +30,16 @@ from maxctx import topology as topology_lib
 from maxctx.errors import ConfigError
 
 GB = 1e9
+
+
+# The share of the bf16 peak that a fused Pallas attention kernel on a TPU has been measured to reach, (low, high),
+# from comparable kernels (maxctx's flash has not run on a TPU yet):
+#   high 0.73: Ragged Paged Attention (Pallas/Mosaic; J. Jiang et al., arXiv:2604.15464), Llama 3 8B prefill on TPU7x,
+#              73% MFU: a forward-only kernel tuned by its authors, so an upper end for a training step's kernels.
+#   low 0.037: JAX's Pallas TPU flash_attention at its default 128-wide blocks, bf16 on one v5e chip: 7.3 TFLOP/s of
+#              197 (github.com/jax-ml/jax/issues/24633): an untuned kernel with blocks too small for the MXU; the
+#              recipes use 1,024-wide blocks, so this is a floor, not an expectation.
+KERNEL_EFFICIENCY: dict[str, tuple[float, float]] = {"flash": (0.037, 0.73)}
 
 
 def chip_for(topo: topology_lib.Topology) -> chips.Chip:
@@ -79,4 +92,12 @@ def estimate(report: dict[str, Any], topo: topology_lib.Topology) -> dict[str, A
   out["est_mfu"] = report["flops_per_step"] / (step * report["devices"] * peak)
   out["est_tokens_per_s"] = report["seq_len"] * report["batch_size"] / step
   out["est_comm_share"] = None if out["est_network_s"] is None else out["est_network_s"] / step
+  efficiency = KERNEL_EFFICIENCY.get(report.get("kernel"))
+  out["est_kernel_efficiency"] = efficiency
+  out["est_step_s_range"] = out["est_mfu_range"] = None
+  if efficiency is not None:
+    # Fast end first: compute at the high share of peak, then the low; the other parts are unchanged.
+    steps = [max(compute_s / e, *(v for v, name in parts if name != "compute")) for e in sorted(efficiency)[::-1]]
+    out["est_step_s_range"] = tuple(steps)
+    out["est_mfu_range"] = tuple(report["flops_per_step"] / (t * report["devices"] * peak) for t in steps)
   return out

@@ -1,0 +1,86 @@
+"""flash: the fused TPU kernel (Pallas, Mosaic) with the contract's mask, in the chunk pieces the ring and USP call.
+
+    state = init(q)                                   # numerator [B, T, N, H], max and denominator [B, N, T], f32
+    state = forward(state, q, k, v, ...)              # flash_fwd: once per chunk of keys
+    out, lse = finish(state, dtype)
+    dq, dk, dv = backward(q, k, v, ..., lse, delta, do)   # flash_bwd: per chunk, float32, added to `grads`
+
+The mask is read from segment ids and positions that are kernel inputs (ids in VMEM blocks, per-block summaries in
+SMEM for skipping), never from a static mask, so the same compiled kernel is exact under zigzag, any permutation
+and packed documents, under every strategy, and costs nothing on the host. The state has the blockwise kernel's
+layout, so `finish` and `delta` are blockwise's. Block sizes are multiples of 128 (the TPU's lanes) fitted to each
+call's lengths by `flash_tiles.fit`; head dims must be multiples of 128 too. Lowered for anything but a TPU the
+same kernels run in the Pallas interpreter (tests); validate refuses training there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from maxctx.attention import flash_bwd, flash_fwd
+from maxctx.attention import flash_tiles as tiles
+from maxctx.attention.blockwise import Blockwise, attend_fn
+
+_F32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class Flash:
+  """The flash pieces with their block sizes (None: 512, fitted down to a multiple of 128 dividing each length)."""
+  block_q: int | None = None
+  block_kv: int | None = None
+  interpret: bool | None = None   # None: Mosaic when lowered for a TPU, else the Pallas interpreter
+
+  init = Blockwise.init
+  finish = Blockwise.finish
+  delta = staticmethod(Blockwise.delta)
+
+  def fit_kv(self, length: int) -> int:
+    """The key block this kernel uses for `length` keys (the ring cuts sub-chunks in whole blocks)."""
+    return tiles.fit(self.block_kv, length)
+
+  def forward(self, state, q_BTNH, k_BSKH, v_BSKH, q_seg, kv_seg, q_pos, kv_pos, first_head=None):
+    """The state after one more chunk of keys; with `first_head`, the state's heads are q's [first_head, +N)."""
+    bq, bk = tiles.fit(self.block_q, q_BTNH.shape[1]), self.fit_kv(k_BSKH.shape[1])
+    return flash_fwd.forward(state, q_BTNH, k_BSKH, v_BSKH, q_seg, kv_seg, q_pos, kv_pos, bq, bk,
+                             jnp.asarray(0 if first_head is None else first_head), self.interpret)
+
+  def backward(self, q_BTNH, k_BSKH, v_BSKH, q_seg, kv_seg, q_pos, kv_pos, lse_BNT, delta_BNT, dout_BTNH,
+               grads=None, first_head=None):
+    """float32 (dq, dk, dv) of this chunk of keys added to `grads` (as in `Blockwise.backward`)."""
+    B, T, _, H = q_BTNH.shape
+    N = lse_BNT.shape[1]
+    S, K = k_BSKH.shape[1:3]
+    if grads is None:
+      grads = (jnp.zeros((B, T, N, H), _F32), jnp.zeros((B, S, K, H), _F32), jnp.zeros((B, S, K, H), _F32))
+    bq, bk = tiles.fit(self.block_q, T), self.fit_kv(S)
+    return flash_bwd.backward(grads, q_BTNH, k_BSKH, v_BSKH, q_seg, kv_seg, q_pos, kv_pos, lse_BNT, delta_BNT,
+                              dout_BTNH, bq, bk, jnp.asarray(0 if first_head is None else first_head), self.interpret)
+
+
+def make(block_q: int | None = None, block_kv: int | None = None):
+  """Whole-sequence attention (all_gather, ulysses, no CP) through the same kernels, with their custom backward."""
+  return attend_fn(parts(block_q, block_kv))
+
+
+def parts(block_q: int | None = None, block_kv: int | None = None) -> Flash:
+  return Flash(block_q, block_kv)
+
+
+def check(p) -> str | None:
+  """Why the flash kernel cannot run problem `p` (one sentence), or None."""
+  for key, block in (("block_q", p.block_q), ("block_kv", p.block_kv)):
+    if block is not None and (block < tiles.LANES or block % tiles.LANES):
+      return (f"attention.{key} {block} is not a multiple of {tiles.LANES}, which the flash kernel's TPU tiles "
+              f"need; choose 128, 256, 512 or 1024, or leave it null.")
+  local = p.seq_len // p.context
+  if local % tiles.LANES:
+    return (f"the flash kernel needs the {local} tokens per device (data.seq_len {p.seq_len} / context "
+            f"{p.context}) to be a multiple of {tiles.LANES}; choose a data.seq_len that is a multiple of "
+            f"{tiles.LANES * p.context}.")
+  if p.head_dim is not None and p.head_dim % tiles.LANES:
+    return (f"the flash kernel needs model.head_dim to be a multiple of {tiles.LANES} (the TPU's lanes), not "
+            f"{p.head_dim}; use attention.kernel=blockwise for this model.")
+  return None
