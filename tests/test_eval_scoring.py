@@ -9,7 +9,8 @@ import pytest
 from maxctx import config, mesh as mesh_lib
 from maxctx.data import tokenizers
 from maxctx.eval import params as params_lib
-from maxctx.eval import scoring, tasks
+from maxctx.data import tasks
+from maxctx.eval import scoring
 from maxctx.trainer import build_model
 
 

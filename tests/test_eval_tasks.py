@@ -7,7 +7,8 @@ import pytest
 
 from maxctx.data import tokenizers
 from maxctx.errors import ConfigError, DataError
-from maxctx.eval import local, sweep, tasks
+from maxctx.data import tasks
+from maxctx.eval import local, sweep
 
 
 @pytest.fixture(scope="module", params=["sentencepiece", "tiktoken"])

@@ -19,8 +19,8 @@ import numpy as np
 
 from maxctx.attention import layout
 from maxctx.config import Config
-from maxctx.data import packing, sources, synthetic, tokenizers
-from maxctx.errors import DataError
+from maxctx.data import packing, passkey, sources, synthetic, tasks, tokenizers
+from maxctx.errors import ConfigError, DataError
 
 log = logging.getLogger("maxctx.data")
 
@@ -63,13 +63,23 @@ class Encode(grain.transforms.Map):
     return record
 
 
-def tokenizer_for(config: Config) -> tokenizers.Tokenizer | None:
-  """The configured tokenizer, checked against model.vocab_size; the stdlib source trains its own when none is set."""
+# Training a SentencePiece model on the standard library is quick only for small vocabularies: the largest the demo's
+# model is trained to when text must be written without data.tokenizer.
+MAX_STDLIB_VOCAB = 32768
+
+
+def tokenizer_for(config: Config, writes_text: bool = False) -> tokenizers.Tokenizer | None:
+  """The run's tokenizer, checked against model.vocab_size: data.tokenizer, else the demo's SentencePiece model of the
+  run's vocabulary for the stdlib source, or wherever text is written (generated tasks, the eval), else None
+  (token-id data needs none)."""
   d, vocab = config.data, config.model.vocab_size
   if d.tokenizer:
     tok = tokenizers.load(d.tokenizer)
-  elif d.source == "stdlib":
+  elif d.source == "stdlib" or (writes_text and vocab <= MAX_STDLIB_VOCAB):
     tok = tokenizers.stdlib_tokenizer(vocab)
+  elif writes_text:
+    raise ConfigError(f"generated text needs a tokenizer, but this run has no data.tokenizer and model.vocab_size "
+                      f"{vocab} is too large to train one here; set data.tokenizer to the model's tokenizer file.")
   else:
     return None
   tokenizers.check_fits(tok, vocab)
@@ -119,13 +129,12 @@ def _rows_of_synthetic(config: Config, rows: Sequence[int]) -> list[grain.IterDa
 
 
 def _rows_of_passkey(config: Config, rows: Sequence[int]) -> list[grain.IterDataset]:
-  # Generated passkey retrieval rows (the passkey demo); the generator lives with the eval tasks it mirrors.
-  from maxctx.eval import passkey_data, sweep, tasks  # here, not at the top: maxctx.eval imports the trainer
-  pieces = tasks.Pieces(sweep.tokenizer_for(config))
+  # Generated passkey retrieval rows (the passkey demo): the eval's own examples at the training length.
+  pieces = tasks.Pieces(tokenizer_for(config, writes_text=True))
   d, seed = config.data, config.run.seed
   tasks.generate("passkey", pieces, d.seq_len, 0.0, 0)  # refuses a data.seq_len too short for one, before compiling
   steps = grain.MapDataset.range(1 << 62)
-  return [steps.map(lambda i, r=r: passkey_data.row(pieces, seed, i, r, d.seq_len)).to_iter_dataset(_READ)
+  return [steps.map(lambda i, r=r: passkey.row(pieces, seed, i, r, d.seq_len)).to_iter_dataset(_READ)
           for r in rows]
 
 

@@ -14,7 +14,7 @@ import pathlib
 import numpy as np
 
 from maxctx.errors import DataError
-from maxctx.eval.tasks import Example, Pieces
+from maxctx.data.tasks import Example, Pieces
 
 FIELDS = ("context", "question", "answer")
 

@@ -24,7 +24,7 @@ from maxctx import sharding
 from maxctx.attention import layout
 from maxctx.config import Config
 from maxctx.errors import ConfigError
-from maxctx.eval.tasks import Example
+from maxctx.data.tasks import Example
 from maxctx.trainer import build_model
 
 

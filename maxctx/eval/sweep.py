@@ -16,14 +16,12 @@ from typing import Sequence
 from jax.sharding import Mesh
 
 from maxctx.config import Config
-from maxctx.data import tokenizers
 from maxctx.errors import ConfigError
-from maxctx.eval import local, scoring, tasks
+from maxctx.data import tasks
+from maxctx.data.dataset import tokenizer_for
+from maxctx.eval import local, scoring
 
 log = logging.getLogger("maxctx.eval")
-
-# Training a SentencePiece model on the standard library is quick only for small vocabularies.
-MAX_STDLIB_VOCAB = 32768
 
 
 def parse_lengths(text: str, where: str) -> list[int]:
@@ -57,20 +55,6 @@ def parse_tasks(text: str, where: str) -> list[str]:
   names = [p.strip() for p in text.split(",") if p.strip()]
   tasks.check_tasks(names, where)
   return names
-
-
-def tokenizer_for(config: Config) -> tokenizers.Tokenizer:
-  """The run's tokenizer; without one (token-id data), the demo's SentencePiece model of the run's vocabulary."""
-  vocab = config.model.vocab_size
-  if config.data.tokenizer:
-    tok = tokenizers.load(config.data.tokenizer)
-  elif vocab <= MAX_STDLIB_VOCAB:
-    tok = tokenizers.stdlib_tokenizer(vocab)
-  else:
-    raise ConfigError(f"evaluation writes text, but this run has no data.tokenizer and model.vocab_size {vocab} is too "
-                      "large to train one here; set data.tokenizer to the model's tokenizer file.")
-  tokenizers.check_fits(tok, vocab)
-  return tok
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +97,7 @@ class Sweep:
 
   def __init__(self, config: Config, mesh: Mesh, plan: Plan, scorer: scoring.Scorer | None = None):
     self.config, self.plan = config, plan
-    self.tokenizer = tokenizer_for(config)
+    self.tokenizer = tokenizer_for(config, writes_text=True)
     pieces = tasks.Pieces(self.tokenizer)
     # Sweeps of one run can share a scorer, and with it the compiled forward of each length.
     self.scorer = scorer or scoring.Scorer(config, mesh, rows=plan.batch_size)

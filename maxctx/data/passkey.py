@@ -1,7 +1,7 @@
 """Training rows of generated passkey examples, for the passkey demo (configs/demo-passkey.yml).
 
 A row is the passkey example the eval scores at the training length: exactly seq_len tokens (prompt + answer, built
-by maxctx.eval.tasks at a uniformly random depth), so its seq_len − 1 (token, target) pairs fill the row and its last
+by maxctx.data.tasks at a uniformly random depth), so its seq_len − 1 (token, target) pairs fill the row and its last
 slot is padding. Built at any other length, every answer would sit one or more positions away from where the eval
 asks for it, and a small model, which learns where to look as much as what to look for, then scores nothing.
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from maxctx.data.packing import FIELDS
-from maxctx.eval import tasks
+from maxctx.data import tasks
 
 TRAIN_SALT = 1 << 30
 
