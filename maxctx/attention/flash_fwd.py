@@ -73,7 +73,8 @@ def _kernel(q_sums, kv_sums, q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, acc_in,
 
 def forward(state, q_BTNH, k_BSKH, v_BSKH, q_seg, kv_seg, q_pos, kv_pos, bq, bk, interpret):
   """The state (numerator [B, T, N, H], max and denominator [B, N, T], float32) after this chunk of keys (q has the
-  state's N heads). `interpret`: None picks Mosaic or the interpreter by the platform lowered for (`flash_tiles.dispatch`)."""
+  state's N heads). `interpret`: None picks Mosaic or the interpreter by the platform lowered for
+  (`flash_tiles.dispatch`)."""
   acc_BTNH, max_BNT, den_BNT = state
   B, T, N, H = acc_BTNH.shape
   S, K = k_BSKH.shape[1:3]

@@ -16,8 +16,9 @@ The peak assumes the matmuls run at the chip's bf16 peak, which no attention ker
 ceiling, not a forecast. For a kernel with a measured comparable (`KERNEL_EFFICIENCY`: flash) the estimate also gives
 `est_step_s_range` and `est_mfu_range`: compute at the low and high measured share of peak (the whole step's FLOPs,
 since at millions of tokens attention is nearly all of them). The pure-JAX blockwise kernel has no such measurement
-here; its real step times will be longer than the ceiling by an unknown factor. Not modelled: the host transfers of `remat: full_offload` (its saved layer inputs go to host memory
-and back once per step), and DCN, which is listed for multi-slice work but not used (single slice only).
+here; its real step times will be longer than the ceiling by an unknown factor. Not modelled: the host transfers of
+`remat: full_offload` (its saved layer inputs go to host memory and back once per step), and DCN, which is listed
+for multi-slice work but not used (single slice only).
 """
 
 from __future__ import annotations
