@@ -160,8 +160,8 @@ def check(strategy_key, mesh_key, heads_key, dtype=jnp.float32, masks=MASKS, zig
         scale = max(1.0, float(np.abs(w).max()))
         err = float(np.abs(g - w).max())
         assert err <= TOLERANCE[dtype] * scale, (
-            f"{kernel} {strategy_key} {mesh_key} {heads_key} {mask} zigzag={zz} {jnp.dtype(dtype).name}: {name} max abs "
-            f"error {err:.3g} > {TOLERANCE[dtype]} × {scale:.3g}")
+            f"{kernel} {strategy_key} {mesh_key} {heads_key} {mask} zigzag={zz} {jnp.dtype(dtype).name}: {name} "
+            f"max abs error {err:.3g} > {TOLERANCE[dtype]} × {scale:.3g}")
 
 
 @pytest.mark.parametrize("strategy_key", list(STRATEGIES))

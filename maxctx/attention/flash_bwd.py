@@ -27,9 +27,8 @@ _F32 = jnp.float32
 _GRID = ("parallel", "parallel", "parallel", "arbitrary")
 
 
-def _dq_kernel(q_sums, kv_sums, head0, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_ids_ref, kv_ids_ref,
+def _dq_kernel(q_sums, kv_sums, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_ids_ref, kv_ids_ref,
                dq_in, dq_ref, q_seg_scr, q_pos_scr, lse_scr, delta_scr, *, groups, nq, nk):
-  del head0   # it offsets the index maps only
   b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
   H = k_ref.shape[-1]
 
@@ -63,9 +62,8 @@ def _dq_kernel(q_sums, kv_sums, head0, q_ref, k_ref, v_ref, do_ref, lse_ref, del
   pl.when(jnp.logical_not(hidden | full))(lambda: tile(True))
 
 
-def _dkv_kernel(q_sums, kv_sums, head0, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_ids_ref, kv_ids_ref,
+def _dkv_kernel(q_sums, kv_sums, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_ids_ref, kv_ids_ref,
                 dk_in, dv_in, dk_ref, dv_ref, kv_seg_scr, kv_pos_scr, *, groups, nq, nk):
-  del head0   # it offsets the index maps only
   b, j, i = pl.program_id(0), pl.program_id(2), pl.program_id(3)
   H = k_ref.shape[-1]
 
@@ -100,10 +98,9 @@ def _dkv_kernel(q_sums, kv_sums, head0, q_ref, k_ref, v_ref, do_ref, lse_ref, de
 
 
 def backward(grads, q_BTNH, k_BSKH, v_BSKH, q_seg, kv_seg, q_pos, kv_pos, lse_BNT, delta_BNT, dout_BTNH, bq, bk,
-             head0, interpret):
-  """`grads` (float32 dq [B, T, N, H], dk and dv [B, S, K, H]) plus this chunk's. q, dout and delta may hold more
-  heads than lse; lse's N are their heads [head0, head0 + N) (head0 a multiple of G, traced). `interpret` as in
-  `flash_fwd.forward`."""
+             interpret):
+  """`grads` (float32 dq [B, T, N, H], dk and dv [B, S, K, H]) plus this chunk's; q, dout, lse and delta have the
+  same N heads. `interpret` as in `flash_fwd.forward`."""
   B, N, T = lse_BNT.shape
   S, K, H = k_BSKH.shape[1:]
   G = N // K
@@ -114,24 +111,22 @@ def backward(grads, q_BTNH, k_BSKH, v_BSKH, q_seg, kv_seg, q_pos, kv_pos, lse_BN
 
   def specs(order):
     """in_specs of q, k, v, do, lse, delta, query ids and key ids; `order` maps the grid's indices to (b, h, i, j).
-    q, do and delta are read at KV head h + head0 (index maps get the scalar-prefetch refs last)."""
+    Index maps get the scalar-prefetch refs after the grid indices."""
     def at(block):
-      return lambda *idx: block(*order(*idx[:4]), idx[-1][0])
+      return lambda *idx: block(*order(*idx[:4]))
 
-    q_spec = pl.BlockSpec((None, bq, G * H), at(lambda b, h, i, j, o: (b, i, h + o)))
-    kv_spec = pl.BlockSpec((None, bk, H), at(lambda b, h, i, j, o: (b, j, h)))
-    return [q_spec, kv_spec, kv_spec, q_spec,
-            pl.BlockSpec((None, None, G, bq), at(lambda b, h, i, j, o: (b, h, 0, i))),
-            pl.BlockSpec((None, None, G, bq), at(lambda b, h, i, j, o: (b, h + o, 0, i))),
-            pl.BlockSpec((None, 16, bq), at(lambda b, h, i, j, o: (b, 0, i))),
-            pl.BlockSpec((None, 16, bk), at(lambda b, h, i, j, o: (b, 0, j)))]
+    q_spec = pl.BlockSpec((None, bq, G * H), at(lambda b, h, i, j: (b, i, h)))
+    kv_spec = pl.BlockSpec((None, bk, H), at(lambda b, h, i, j: (b, j, h)))
+    rows_spec = pl.BlockSpec((None, None, G, bq), at(lambda b, h, i, j: (b, h, 0, i)))
+    return [q_spec, kv_spec, kv_spec, q_spec, rows_spec, rows_spec,
+            pl.BlockSpec((None, 16, bq), at(lambda b, h, i, j: (b, 0, i))),
+            pl.BlockSpec((None, 16, bk), at(lambda b, h, i, j: (b, 0, j)))]
 
   dq_order = lambda b, h, i, j: (b, h, i, j)  # noqa: E731
   dkv_order = lambda b, h, j, i: (b, h, i, j)  # noqa: E731
   dq_spec = pl.BlockSpec((None, bq, G * H), lambda b, h, i, j, *_: (b, i, h))
   dkv_spec = pl.BlockSpec((None, bk, H), lambda b, h, j, i, *_: (b, j, h))
-  ids = (tiles.summaries(q_seg, q_pos, bq), tiles.summaries(kv_seg, kv_pos, bk),
-         jnp.reshape(head0 // G, (1,)).astype(jnp.int32))
+  ids = (tiles.summaries(q_seg, q_pos, bq), tiles.summaries(kv_seg, kv_pos, bk))
   operands = (tiles.heads_view(q_BTNH), tiles.heads_view(k_BSKH), tiles.heads_view(v_BSKH),
               tiles.heads_view(dout_BTNH), tiles.rows_view(lse_BNT, G), tiles.rows_view(delta_BNT, G),
               tiles.ids_rows(q_seg, q_pos), tiles.ids_rows(kv_seg, kv_pos))
@@ -141,17 +136,17 @@ def backward(grads, q_BTNH, k_BSKH, v_BSKH, q_seg, kv_seg, q_pos, kv_pos, lse_BN
   dq_call = lambda interpret: pl.pallas_call(  # noqa: E731
       functools.partial(_dq_kernel, groups=G, nq=nq, nk=nk),
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=3, grid=(B, K, nq, nk), in_specs=specs(dq_order) + [dq_spec], out_specs=dq_spec,
+          num_scalar_prefetch=2, grid=(B, K, nq, nk), in_specs=specs(dq_order) + [dq_spec], out_specs=dq_spec,
           scratch_shapes=columns + [pltpu.VMEM((G, bq, tiles.LANES), _F32)] * 2),
       out_shape=jax.ShapeDtypeStruct((B, T, N * H), _F32),
-      input_output_aliases={11: 0}, compiler_params=params, interpret=interpret, name="maxctx_flash_dq")
+      input_output_aliases={10: 0}, compiler_params=params, interpret=interpret, name="maxctx_flash_dq")
   dkv_call = lambda interpret: pl.pallas_call(  # noqa: E731
       functools.partial(_dkv_kernel, groups=G, nq=nq, nk=nk),
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=3, grid=(B, K, nk, nq), in_specs=specs(dkv_order) + [dkv_spec] * 2,
+          num_scalar_prefetch=2, grid=(B, K, nk, nq), in_specs=specs(dkv_order) + [dkv_spec] * 2,
           out_specs=[dkv_spec] * 2, scratch_shapes=[pltpu.VMEM((bk, tiles.LANES), jnp.int32)] * 2),
       out_shape=[jax.ShapeDtypeStruct((B, S, K * H), _F32)] * 2,
-      input_output_aliases={11: 0, 12: 1}, compiler_params=params, interpret=interpret, name="maxctx_flash_dkv")
+      input_output_aliases={10: 0, 11: 1}, compiler_params=params, interpret=interpret, name="maxctx_flash_dkv")
 
   def run(grads):
     dq, dk, dv = grads

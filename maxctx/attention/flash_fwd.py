@@ -24,9 +24,8 @@ from maxctx.attention import flash_tiles as tiles
 _F32 = jnp.float32
 
 
-def _kernel(q_sums, kv_sums, head0, q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, acc_in, max_in, den_in,
+def _kernel(q_sums, kv_sums, q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, acc_in, max_in, den_in,
             acc_ref, max_ref, den_ref, q_seg_scr, q_pos_scr, max_scr, den_scr, *, groups, nq, nk):
-  del head0   # it offsets q's index map only
   b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
   H = k_ref.shape[-1]
 
@@ -72,10 +71,10 @@ def _kernel(q_sums, kv_sums, head0, q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, 
       den_ref[g:g + 1, :] = tiles.row(den_scr[g])
 
 
-def forward(state, q_BTNH, k_BSKH, v_BSKH, q_seg, kv_seg, q_pos, kv_pos, bq, bk, head0, interpret):
-  """The state (numerator [B, T, N, H], max and denominator [B, N, T], float32) after this chunk of keys. q may
-  hold more heads than the state; the state's N are q's heads [head0, head0 + N) (head0 a multiple of G, traced).
-  `interpret`: None picks Mosaic or the interpreter by the platform lowered for (`flash_tiles.dispatch`)."""
+def forward(state, q_BTNH, k_BSKH, v_BSKH, q_seg, kv_seg, q_pos, kv_pos, bq, bk, interpret):
+  """The state (numerator [B, T, N, H], max and denominator [B, N, T], float32) after this chunk of keys (q has the
+  state's N heads). `interpret`: None picks Mosaic or the interpreter by the platform lowered for
+  (`flash_tiles.dispatch`)."""
   acc_BTNH, max_BNT, den_BNT = state
   B, T, N, H = acc_BTNH.shape
   S, K = k_BSKH.shape[1:3]
@@ -83,11 +82,8 @@ def forward(state, q_BTNH, k_BSKH, v_BSKH, q_seg, kv_seg, q_pos, kv_pos, bq, bk,
   nq, nk = T // bq, S // bk
   tiles.check(q_BTNH, "the head dim")
 
-  def q_map(b, h, i, j, q_sums, kv_sums, head0):
-    return b, i, h + head0[0]
-
   specs = [
-      pl.BlockSpec((None, bq, G * H), q_map),
+      pl.BlockSpec((None, bq, G * H), lambda b, h, i, j, *_: (b, i, h)),
       pl.BlockSpec((None, bk, H), lambda b, h, i, j, *_: (b, j, h)),
       pl.BlockSpec((None, bk, H), lambda b, h, i, j, *_: (b, j, h)),
       pl.BlockSpec((None, 16, bq), lambda b, h, i, j, *_: (b, 0, i)),
@@ -101,12 +97,12 @@ def forward(state, q_BTNH, k_BSKH, v_BSKH, q_seg, kv_seg, q_pos, kv_pos, bq, bk,
   make_call = lambda interpret: pl.pallas_call(  # noqa: E731
       functools.partial(_kernel, groups=G, nq=nq, nk=nk),
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=3, grid=(B, K, nq, nk), in_specs=specs + state_specs, out_specs=state_specs,
+          num_scalar_prefetch=2, grid=(B, K, nq, nk), in_specs=specs + state_specs, out_specs=state_specs,
           scratch_shapes=[pltpu.VMEM((bq, tiles.LANES), jnp.int32), pltpu.VMEM((bq, tiles.LANES), jnp.int32),
                           pltpu.VMEM((G, bq, tiles.LANES), _F32), pltpu.VMEM((G, bq, tiles.LANES), _F32)]),
       out_shape=[jax.ShapeDtypeStruct((B, T, N * H), _F32), *[jax.ShapeDtypeStruct((B, K, G, T), _F32)] * 2],
-      # Operands count the three scalar-prefetch arrays: the state's three are 8, 9 and 10.
-      input_output_aliases={8: 0, 9: 1, 10: 2},
+      # Operands count the two scalar-prefetch arrays: the state's three are 7, 8 and 9.
+      input_output_aliases={7: 0, 8: 1, 9: 2},
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
       interpret=interpret, name="maxctx_flash_fwd")
 
@@ -115,7 +111,7 @@ def forward(state, q_BTNH, k_BSKH, v_BSKH, q_seg, kv_seg, q_pos, kv_pos, bq, bk,
     views = tiles.heads_view(acc), tiles.rows_view(mx, G), tiles.rows_view(den, G)
     acc, mx, den = tiles.dispatch(
         make_call, tiles.summaries(q_seg, q_pos, bq), tiles.summaries(kv_seg, kv_pos, bk),
-        jnp.reshape(head0 // G, (1,)).astype(jnp.int32), tiles.heads_view(q_BTNH), tiles.heads_view(k_BSKH),
+        tiles.heads_view(q_BTNH), tiles.heads_view(k_BSKH),
         tiles.heads_view(v_BSKH), tiles.ids_rows(q_seg, q_pos), tiles.ids_rows(kv_seg, kv_pos), *views,
         interpret=interpret)
     return acc.reshape(B, T, N, H), mx.reshape(B, N, T), den.reshape(B, N, T)
