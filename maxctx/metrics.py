@@ -69,20 +69,33 @@ def peak_tflops_per_device(override: float = 0.0, compute_dtype=jnp.bfloat16) ->
 
 
 class Writer:
-  """TensorBoard scalars (process 0 only) and a console progress line."""
+  """TensorBoard scalars (process 0 only) and a console progress line.
+
+  Scalars are written to the event file in the calling thread (tensorboardX's SummaryWriter queues them for a worker
+  thread, so its flush() is no barrier: a run killed right after a save could lose the scalars of the steps the save
+  holds). The file is flushed every FLUSH_SECS and at every `flush()`."""
+
+  FLUSH_SECS = 10.0
 
   def __init__(self, logdir: pathlib.Path | None, total_steps: int):
     self.total_steps = total_steps
-    self._tb = None
+    self._events = None
     if logdir is not None and jax.process_index() == 0:
-      from tensorboardX import SummaryWriter
-      self._tb = SummaryWriter(str(logdir), flush_secs=10)
-    self._start = time.time()
+      from tensorboardX.event_file_writer import EventsWriter
+      logdir.mkdir(parents=True, exist_ok=True)
+      self._events = EventsWriter(str(logdir / "events"))
+    self._start = self._flushed = time.time()
 
   def scalars(self, step: int, values: dict[str, float]) -> None:
-    if self._tb is not None:
-      for k, v in values.items():
-        self._tb.add_scalar(k, v, step)
+    if self._events is None:
+      return
+    from tensorboardX import summary
+    from tensorboardX.proto.event_pb2 import Event
+    now = time.time()
+    for k, v in values.items():
+      self._events.write_event(Event(wall_time=now, step=step, summary=summary.scalar(k, v)))
+    if now - self._flushed > self.FLUSH_SECS:
+      self.flush()
 
   def console(self, step: int, values: dict[str, float], eta_s: float | None) -> None:
     eta = "" if eta_s is None else f" | ETA {_duration(eta_s)}"
@@ -91,13 +104,15 @@ class Writer:
              values["step_time"], values["learning_rate"], values["grad_norm"], eta)
 
   def flush(self) -> None:
-    """Writes the scalars so far to disk (they are otherwise buffered for up to 10 s)."""
-    if self._tb is not None:
-      self._tb.flush()
+    """Writes every scalar so far to disk before it returns."""
+    if self._events is not None:
+      self._events.flush()
+      self._flushed = time.time()
 
   def close(self) -> None:
-    if self._tb is not None:
-      self._tb.close()
+    if self._events is not None:
+      self._events.close()
+      self._events = None
 
 
 def _duration(seconds: float) -> str:
