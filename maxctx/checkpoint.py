@@ -40,20 +40,16 @@ from jax.sharding import Mesh
 from maxctx.config import Config
 from maxctx.errors import CheckpointError
 from maxctx.params_io import check_params, check_tree, path_of as _path, read_params, why as _why
-from maxctx.resume_match import CLIPS as _CLIPS, MUST_MATCH, fingerprint, flat as _flat, validate
+from maxctx.resume_match import MUST_MATCH, check_compatible, fingerprint, flat as _flat, plan
+from maxctx.resume_match import steps_text as _steps_text
 from maxctx.trainer import Trainer, TrainState
 
-__all__ = ["MUST_MATCH", "Checkpoints", "abstract_state", "check_params", "check_tree", "fingerprint", "read_params",
-           "validate"]
+__all__ = ["MUST_MATCH", "Checkpoints", "check_params", "check_tree", "fingerprint", "read_params"]
 
 log = logging.getLogger("maxctx")
 
 STATE, DATA, META = "state", "data", "meta"
 META_VERSION = 1
-
-def _steps_text(steps) -> str:
-  steps = sorted(steps)
-  return ", ".join(map(str, steps)) if len(steps) <= 4 else f"{steps[0]}, {steps[1]}, …, {steps[-1]}"
 
 
 def os_error(e: BaseException) -> OSError | None:
@@ -65,12 +61,6 @@ def os_error(e: BaseException) -> OSError | None:
     seen.add(id(e))
     e = e.__cause__ or e.__context__
   return None
-
-
-def abstract_state(trainer: Trainer) -> TrainState:
-  """The train state's shapes, dtypes and shardings, without allocating it."""
-  return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                      jax.eval_shape(trainer.init, jax.random.key(0)), trainer.state_shardings)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -119,7 +109,6 @@ class Checkpoints:
   """
 
   def __init__(self, config: Config, mesh: Mesh):
-    validate(config)
     self._config, self._mesh = config, mesh
     c = config.checkpoint
     self.directory = _path(config.run.output_dir) / "checkpoints"
@@ -135,7 +124,8 @@ class Checkpoints:
         cleanup_tmp_directories=True, save_interval_steps=1)
     self._manager = ocp.CheckpointManager(self.directory, options=options, handler_registry=_registry())
     try:
-      self._candidates = self._plan(sorted(self._manager.all_steps()))
+      self._candidates, self._to_delete = plan(self._config, sorted(self._manager.all_steps()), self.directory)
+      self._check_run(self._candidates)
     except BaseException:
       self._manager.close()  # Its threads would outlive the refusal otherwise.
       raise
@@ -169,40 +159,6 @@ class Checkpoints:
         log.warning("checkpoint: %s is a save that never finished (the run stopped while writing step %s); it is "
                     "ignored and removed.", p, p.name.split(".", 1)[0])
 
-  def _plan(self, steps: list[int]) -> list[int]:
-    """The steps to try restoring, newest first; raises if the directory holds checkpoints this run must not touch."""
-    c, where = self._config.checkpoint, self.directory
-    if not steps:
-      if c.resume not in ("auto", "never"):
-        raise CheckpointError(f"checkpoint.resume={c.resume} but {where} holds no checkpoints; set "
-                              "checkpoint.resume=auto or never, or point run.output_dir at the run that saved it.")
-      return []
-    held = f"{where} holds checkpoints of steps {_steps_text(steps)}"
-    if c.resume == "never":
-      if self.enabled and not c.overwrite:
-        raise CheckpointError(f"{held} and checkpoint.resume=never would overwrite them; use a new run.output_dir, "
-                              "move them away, or set checkpoint.overwrite=true to delete them.")
-      if self.enabled:
-        self._to_delete = steps
-        log.warning("checkpoint: %s; checkpoint.resume=never with checkpoint.overwrite=true deletes them at the first "
-                    "save.", held)
-      return []
-    if c.resume == "auto":
-      self._check_run(steps[::-1])
-      return steps[::-1]
-    step = int(c.resume)
-    if step not in steps:
-      raise CheckpointError(f"checkpoint.resume={step} but {held}; choose one of them or checkpoint.resume=auto.")
-    later = [s for s in steps if s > step]
-    if later and self.enabled:
-      if not c.overwrite:
-        raise CheckpointError(f"checkpoint.resume={step} but {where} also holds later steps {_steps_text(later)}, "
-                              "which this run would overwrite; use checkpoint.resume=auto, or set "
-                              "checkpoint.overwrite=true to delete them.")
-      self._to_delete = later
-    self._check_run([step])
-    return [step]
-
   def _read_meta(self, step: int) -> dict:
     if step not in self._meta_cache:
       meta = self._manager.restore(step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]
@@ -222,25 +178,13 @@ class Checkpoints:
       return
 
   def _check_compatible(self, step: int, meta: dict) -> None:
-    saved, now = fingerprint(meta["config"]), fingerprint(self._config.to_dict())
-    for key in now:
-      if saved[key] != now[key]:
-        # Parameters still fit a model of the same shape, so a changed data or seed setting can start from them.
-        reuse = "" if key.startswith("model.") or key == _CLIPS else \
-            f" (with checkpoint.load_params={self.step_path(step)} to start from their parameters)"
-        raise CheckpointError(f"{self.directory} holds checkpoints of another run ({key} was {saved[key]!r}, this run "
-                              f"has {now[key]!r}); use a new run.output_dir{reuse} or move them away.")
-    if meta.get("processes", 1) != jax.process_count():
-      raise CheckpointError(
-          f"checkpoint step {step} in {self.directory} was saved by {meta.get('processes')} processes and this run "
-          f"has {jax.process_count()}; the data position is kept per process, so resume with the same process count, "
-          f"or start a new run from its parameters with checkpoint.load_params={self.step_path(step)}.")
+    check_compatible(self._config, meta, step, self.directory, self.step_path(step))
 
   # -- Restore or initialise. --
 
   def restore_or_init(self, trainer: Trainer, pipeline) -> TrainState:
     """The newest readable checkpoint (restoring the data position into `pipeline`), else load_params, else init."""
-    abstract = abstract_state(trainer)
+    abstract = trainer.abstract_state()
     for i, step in enumerate(self._candidates):
       try:
         meta = self._read_meta(step)

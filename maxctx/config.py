@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
 import pathlib
-import types
 import typing
 from typing import Any, Literal
 
 import yaml
 
+from maxctx.config_types import coerce
 from maxctx.errors import ConfigError
 
 CONFIG_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
@@ -65,6 +64,7 @@ class ModelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class AxesConfig:
+  """Devices per mesh axis (-1: the rest of the devices; at most one axis)."""
   data: int
   fsdp: int
   context: int
@@ -73,12 +73,14 @@ class AxesConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
+  """The mesh within a slice (ici) and across slices (dcn); an axis's degree is the product of the two."""
   ici: AxesConfig
   dcn: AxesConfig
 
 
 @dataclasses.dataclass(frozen=True)
 class AttentionConfig:
+  """The context-parallel strategy and the kernel under it (maxctx.attention)."""
   strategy: str
   kernel: str
   load_balance: bool
@@ -150,12 +152,14 @@ class EvalConfig:
 
 @dataclasses.dataclass(frozen=True)
 class CompileConfig:
+  """What `python -m maxctx.compile` compiles for: a TPU topology (e.g. tpu7x-128) and its slice count."""
   topology: str
   num_slices: int
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
+  """A whole run: one frozen section per top-level key of the YAML."""
   run: RunConfig
   model: ModelConfig
   mesh: MeshConfig
@@ -303,71 +307,6 @@ def from_dict(tree: dict[str, Any]) -> Config:
 # Typed construction.
 
 
-def _type_name(tp: Any) -> str:
-  if typing.get_origin(tp) is Literal:
-    return "one of " + ", ".join(repr(c) for c in typing.get_args(tp))
-  if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
-    return " or ".join(_type_name(a) for a in typing.get_args(tp))
-  if tp is type(None):
-    return "null"
-  return tp.__name__
-
-
-def _coerce(value: Any, tp: Any, key: str) -> Any:
-  origin = typing.get_origin(tp)
-  if isinstance(tp, types.UnionType) or origin is typing.Union:
-    errors = []
-    for arm in typing.get_args(tp):
-      try:
-        return _coerce(value, arm, key)
-      except ConfigError as e:
-        errors.append(e)
-    raise ConfigError(f"config key {key} expects {_type_name(tp)}, got {value!r} ({type(value).__name__}).")
-  if origin is Literal:
-    choices = typing.get_args(tp)
-    if value not in choices:
-      close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
-      hint = f" (did you mean {close[0]!r}?)" if close else ""
-      raise ConfigError(f"config key {key} must be one of {', '.join(map(repr, choices))}, got {value!r}{hint}.")
-    return value
-  if tp is type(None):
-    if value is None:
-      return None
-  elif tp is bool:
-    if isinstance(value, bool):
-      return value
-  elif tp is int:
-    if isinstance(value, int) and not isinstance(value, bool):
-      return value
-    if isinstance(value, str):
-      try:
-        return int(value)
-      except ValueError:
-        pass
-  elif tp is float:
-    number = None
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-      number = float(value)
-    elif isinstance(value, str):  # PyYAML reads 3e-4 (no dot) as a string.
-      try:
-        number = float(value)
-      except ValueError:
-        pass
-    if number is not None:
-      # nan or inf would compile and run, and fail steps later with a message about something else.
-      if not math.isfinite(number):
-        raise ConfigError(f"config key {key} is {value!r}; it must be a finite number.")
-      return number
-  elif tp is str:
-    if isinstance(value, str):
-      return value
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-      return str(value)
-  else:
-    raise TypeError(f"unsupported schema type {tp!r} for {key}")
-  raise ConfigError(f"config key {key} expects {_type_name(tp)}, got {value!r} ({type(value).__name__}).")
-
-
 def _build(cls: type, tree: dict[str, Any], prefix: str) -> Any:
   hints = typing.get_type_hints(cls)
   kwargs = {}
@@ -385,7 +324,7 @@ def _build(cls: type, tree: dict[str, Any], prefix: str) -> Any:
         raise ConfigError(f"config key {dotted} is a section and needs a mapping, not {tree[name]!r}.")
       kwargs[name] = _build(tp, tree[name], dotted + ".")
     else:
-      kwargs[name] = _coerce(tree[name], tp, dotted)
+      kwargs[name] = coerce(tree[name], tp, dotted)
   return cls(**kwargs)
 
 
@@ -398,6 +337,51 @@ def schema_keys(cls: type = Config, prefix: str = "") -> list[str]:
     else:
       keys.append(prefix + f.name)
   return keys
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Rules on one key's value. Rules between keys, or against the devices, are the components' own (trainer.validate
+# calls each once).
+
+# (key, least, most, whether the least itself is allowed). 0 switches lr decay, weight decay, clipping, a momentum,
+# the peak override, saving and the workers off; an epsilon, a scale or a base of 0 breaks the numerics.
+RANGES = (
+    ("run.steps", 1, None, True), ("model.n_heads", 1, None, True), ("model.n_kv_heads", 1, None, True),
+    ("model.n_layers", 1, None, True), ("model.d_model", 1, None, True), ("model.head_dim", 2, None, True),
+    ("model.d_ff", 1, None, True), ("model.vocab_size", 2, None, True), ("model.loss_chunk", 1, None, True),
+    ("model.mlp_chunk", 0, None, True), ("model.norm_eps", 0, None, False), ("model.rope_theta", 0, None, False),
+    ("model.init_std", 0, None, False), ("data.seq_len", 2, None, True), ("data.batch_size", 1, None, True),
+    ("data.num_workers", 0, None, True), ("data.prefetch", 0, None, True), ("optim.lr", 0, None, True),
+    ("optim.warmup_steps", 0, None, True), ("optim.decay_steps", 0, None, True), ("optim.min_lr_ratio", 0, 1, True),
+    ("optim.b1", 0, 1, True), ("optim.b2", 0, 1, True), ("optim.eps", 0, None, False),
+    ("optim.weight_decay", 0, None, True), ("optim.clip_norm", 0, None, True), ("optim.grad_accum", 1, None, True),
+    ("checkpoint.every_steps", 0, None, True), ("checkpoint.keep", 1, None, True),
+    ("metrics.log_every", 1, None, True), ("metrics.peak_tflops", 0, None, True),
+)
+# What a value out of range means, where a bare range would not say it.
+WHY = {"data.seq_len": "a sequence needs at least 2 tokens (an input and its target)",
+       "model.head_dim": "rotary embeddings rotate pairs of dimensions",
+       "checkpoint.keep": "2 or more lets a corrupt latest step fall back to the one before",
+       "model.mlp_chunk": "a number of tokens, or 0 for the whole sequence at once",
+       "data.num_workers": "0 reads in the main process", "data.prefetch": "0 makes each batch when asked",
+       "checkpoint.every_steps": "0 never saves"}
+
+
+def check(config: Config) -> None:
+  """Refuses a value no run can use, naming the key and what it must be."""
+  tree = config.to_dict()
+  for key, least, most, closed in RANGES:
+    section, name = key.split(".")
+    value = tree[section][name]
+    if value < least or (value == least and not closed) or (most is not None and value > most):
+      allowed = f"in [{least:g}, {most:g}]" if most is not None else f"{'at least' if closed else 'above'} {least:g}"
+      why = f" ({WHY[key]})" if key in WHY else ""
+      raise ConfigError(f"{key} is {value:g}; it must be {allowed}{why}.")
+  if config.model.head_dim % 2:
+    raise ConfigError(f"model.head_dim {config.model.head_dim} must be even for rotary embeddings.")
+  resume = config.checkpoint.resume
+  if resume not in ("auto", "never") and not resume.isdigit():
+    raise ConfigError(f"checkpoint.resume is {resume!r}; use auto, never, or a step number such as 100.")
 
 
 def save(config: Config, directory: str | pathlib.Path) -> pathlib.Path:

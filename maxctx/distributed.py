@@ -14,6 +14,7 @@ process dead after `heartbeat_timeout_s` without a heartbeat and the survivors e
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import glob
 import logging
@@ -25,6 +26,7 @@ from maxctx.errors import ConfigError
 
 log = logging.getLogger("maxctx")
 
+# Each flag's environment variable, read where the flag is not given.
 FLAGS = {"--coordinator": "MAXCTX_COORDINATOR", "--num-processes": "MAXCTX_NUM_PROCESSES",
          "--process-id": "MAXCTX_PROCESS_ID"}
 HEARTBEAT_TIMEOUT_S = 30
@@ -39,21 +41,18 @@ class Options:
   process_id: int | None = None
 
 
-def parse_args(argv: list[str]) -> tuple[Options, list[str]]:
-  """(the coordinator options, the other arguments). Flags win over the MAXCTX_* environment variables."""
-  values = {flag: os.environ.get(env) or None for flag, env in FLAGS.items()}
-  rest = []
-  args = iter(argv)
-  for arg in args:
-    flag, eq, value = arg.partition("=")
-    if flag in FLAGS:
-      if not eq:
-        value = next(args, None)
-        if value is None:
-          raise ConfigError(f"{flag} needs a value, e.g. {flag}={'10.0.0.2:1234' if flag == '--coordinator' else 2}.")
-      values[flag] = value
-    else:
-      rest.append(arg)
+def add_flags(parser: argparse.ArgumentParser) -> None:
+  """The multi-host flags, for every entry point that runs on devices."""
+  group = parser.add_argument_group("multi-host (not needed on TPU VMs and GKE, where JAX finds the job itself)")
+  group.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address (or MAXCTX_COORDINATOR)")
+  group.add_argument("--num-processes", metavar="N", help="processes in the job (or MAXCTX_NUM_PROCESSES)")
+  group.add_argument("--process-id", metavar="I", help="this process, 0 to N-1 (or MAXCTX_PROCESS_ID)")
+
+
+def options(args: argparse.Namespace) -> Options:
+  """The coordinator options from parsed flags (`add_flags`); a flag wins over its MAXCTX_* environment variable."""
+  values = {flag: getattr(args, flag[2:].replace("-", "_"), None) or os.environ.get(env) or None
+            for flag, env in FLAGS.items()}
   ints = {}
   for flag in ("--num-processes", "--process-id"):
     if values[flag] is not None:
@@ -61,9 +60,17 @@ def parse_args(argv: list[str]) -> tuple[Options, list[str]]:
         ints[flag] = int(values[flag])
       except ValueError:
         raise ConfigError(f"{flag} (or {FLAGS[flag]}) must be an integer, got {values[flag]!r}.") from None
-  options = Options(values["--coordinator"], ints.get("--num-processes"), ints.get("--process-id"))
-  _check(options)
-  return options, rest
+  result = Options(values["--coordinator"], ints.get("--num-processes"), ints.get("--process-id"))
+  _check(result)
+  return result
+
+
+def parse_args(argv: list[str]) -> tuple[Options, list[str]]:
+  """(the coordinator options, the other arguments) of an argument list."""
+  parser = argparse.ArgumentParser(add_help=False)
+  add_flags(parser)
+  args, rest = parser.parse_known_args(argv)
+  return options(args), rest
 
 
 def _check(o: Options) -> None:

@@ -1,4 +1,5 @@
-"""What a checkpoint must share with the run that resumes it, and the checks of the checkpoint.* keys.
+"""What a run resumes: the policy of `checkpoint.resume` over the steps on disk, and what a checkpoint must share
+with the run that resumes it. Decided from the files' names and metadata alone; maxctx.checkpoint does the reading.
 
 A resumed run computes bit-for-bit the losses of the uninterrupted one only if the keys in MUST_MATCH are the same;
 everything else (mesh, strategy, run.steps, learning rate, ...) may change between restarts, and the changes are
@@ -7,19 +8,24 @@ logged (maxctx.checkpoint).
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
+import jax
+
 from maxctx.config import Config
-from maxctx.errors import ConfigError
+
+from maxctx.data import STREAM_KEYS
+from maxctx.errors import CheckpointError
+
+log = logging.getLogger("maxctx")
 
 # They fix the parameter shapes, what the model computes and which batch comes next.
 MUST_MATCH = (
     "model.vocab_size", "model.d_model", "model.n_layers", "model.n_heads", "model.n_kv_heads", "model.head_dim",
     "model.d_ff", "model.norm_eps", "model.rope_theta", "model.rope_scaling", "model.rope_factor",
     "model.rope_low_freq_factor", "model.rope_high_freq_factor", "model.rope_original_context", "model.param_dtype",
-    "model.scan_layers", "run.seed", "data.source", "data.path", "data.seq_len", "data.batch_size", "data.tokenizer",
-    "data.text_field", "data.text_separator", "data.packing", "data.long_documents", "data.shuffle",
-    "data.num_workers", "attention.load_balance",
+    "model.scan_layers", "attention.load_balance", *STREAM_KEYS,
 )
 # Not a key but a fact about one: clipping adds a stage to the optimizer state's structure.
 CLIPS = "optim.clip_norm > 0"
@@ -49,12 +55,56 @@ def flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
   return out
 
 
-def validate(config: Config) -> None:
+def steps_text(steps) -> str:
+  steps = sorted(steps)
+  return ", ".join(map(str, steps)) if len(steps) <= 4 else f"{steps[0]}, {steps[1]}, …, {steps[-1]}"
+
+
+def plan(config: Config, steps: list[int], where: Any) -> tuple[list[int], list[int]]:
+  """(the steps to try restoring, newest first; the steps to delete at the first save) for the steps in `where`;
+  raises if they are checkpoints this run must not touch."""
   c = config.checkpoint
-  if c.every_steps < 0:
-    raise ConfigError(f"checkpoint.every_steps is {c.every_steps}; use 0 (never save) or a positive interval.")
-  if c.keep < 1:
-    raise ConfigError(f"checkpoint.keep is {c.keep}; keep at least 1 checkpoint (2 or more lets a corrupt latest "
-                      "step fall back to the one before).")
-  if c.resume not in ("auto", "never") and not (c.resume.isdigit()):
-    raise ConfigError(f"checkpoint.resume is {c.resume!r}; use auto, never, or a step number such as 100.")
+  saves = c.every_steps > 0
+  if not steps:
+    if c.resume not in ("auto", "never"):
+      raise CheckpointError(f"checkpoint.resume={c.resume} but {where} holds no checkpoints; set "
+                            "checkpoint.resume=auto or never, or point run.output_dir at the run that saved it.")
+    return [], []
+  held = f"{where} holds checkpoints of steps {steps_text(steps)}"
+  if c.resume == "never":
+    if saves and not c.overwrite:
+      raise CheckpointError(f"{held} and checkpoint.resume=never would overwrite them; use a new run.output_dir, "
+                            "move them away, or set checkpoint.overwrite=true to delete them.")
+    if not saves:
+      return [], []
+    log.warning("checkpoint: %s; checkpoint.resume=never with checkpoint.overwrite=true deletes them at the first "
+                "save.", held)
+    return [], list(steps)
+  if c.resume == "auto":
+    return steps[::-1], []
+  step = int(c.resume)
+  if step not in steps:
+    raise CheckpointError(f"checkpoint.resume={step} but {held}; choose one of them or checkpoint.resume=auto.")
+  later = [s for s in steps if s > step]
+  if later and saves and not c.overwrite:
+    raise CheckpointError(f"checkpoint.resume={step} but {where} also holds later steps {steps_text(later)}, which "
+                          "this run would overwrite; use checkpoint.resume=auto, or set checkpoint.overwrite=true to "
+                          "delete them.")
+  return [step], later if saves else []
+
+
+def check_compatible(config: Config, meta: dict, step: int, where: Any, step_path: Any) -> None:
+  """Refuses step `step` (in `where`, at `step_path`) of another run, judged by its saved metadata."""
+  saved, now = fingerprint(meta["config"]), fingerprint(config.to_dict())
+  for key in now:
+    if saved[key] != now[key]:
+      # Parameters still fit a model of the same shape, so a changed data or seed setting can start from them.
+      reuse = "" if key.startswith("model.") or key == CLIPS else \
+          f" (with checkpoint.load_params={step_path} to start from their parameters)"
+      raise CheckpointError(f"{where} holds checkpoints of another run ({key} was {saved[key]!r}, this run has "
+                            f"{now[key]!r}); use a new run.output_dir{reuse} or move them away.")
+  if meta.get("processes", 1) != jax.process_count():
+    raise CheckpointError(
+        f"checkpoint step {step} in {where} was saved by {meta.get('processes')} processes and this run has "
+        f"{jax.process_count()}; the data position is kept per process, so resume with the same process count, or "
+        f"start a new run from its parameters with checkpoint.load_params={step_path}.")

@@ -16,26 +16,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 # Logical name → mesh axes, in order of preference.
 RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
-    # Activations.
-    ("batch", ("data", "fsdp")),
-    ("seq", ("context",)),
-    ("act_embed", ()),
-    ("act_heads", ("tensor",)),
-    ("act_kv_heads", ("tensor",)),
-    ("act_mlp", ("tensor",)),
-    ("act_vocab", ("tensor",)),
-    ("act_head_dim", ()),
-    ("act_norm", ()),
-    ("act_layers", ()),
-    # Parameters.
+    # Activations: the batch over data and fsdp, the sequence over context, heads and the MLP over tensor.
+    ("batch", ("data", "fsdp")), ("seq", ("context",)),
+    ("act_heads", ("tensor",)), ("act_kv_heads", ("tensor",)), ("act_mlp", ("tensor",)), ("act_vocab", ("tensor",)),
+    ("act_embed", ()), ("act_head_dim", ()), ("act_norm", ()), ("act_layers", ()),
+    # Parameters: the model width over fsdp and context (ZeRO-3), the rest as their activations.
     ("embed", ("fsdp", "context")),
-    ("vocab", ("tensor",)),
-    ("heads", ("tensor",)),
-    ("kv_heads", ("tensor",)),
-    ("mlp", ("tensor",)),
-    ("head_dim", ()),
-    ("norm", ()),
-    ("layers", ()),
+    ("vocab", ("tensor",)), ("heads", ("tensor",)), ("kv_heads", ("tensor",)), ("mlp", ("tensor",)),
+    ("head_dim", ()), ("norm", ()), ("layers", ()),
 )
 _RULES = dict(RULES)
 

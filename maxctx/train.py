@@ -14,6 +14,7 @@ lock for its whole life (maxctx.run_dir).
 
 from __future__ import annotations
 
+import argparse
 import concurrent.futures
 import dataclasses
 import logging
@@ -38,10 +39,6 @@ from maxctx.errors import ConfigError, MaxctxError, exit_code
 from maxctx.trainer import Trainer, TrainState, offloaded_bytes_per_device, validate
 
 log = logging.getLogger("maxctx")
-
-USAGE = ("usage: python -m maxctx.train CONFIG.yml [--coordinator=HOST:PORT --num-processes=N --process-id=I] "
-         "[section.key=value ...]")
-
 
 def setup_logging() -> None:
   prefix = f"[process {jax.process_index()}] " if jax.process_count() > 1 else ""
@@ -80,7 +77,6 @@ def fit(config: config_lib.Config) -> Fit:
   devices = jax.devices()
   sizes = validate(config, len(devices), mesh_lib.num_slices_of(devices))
   _check_host_memory(config, sizes)
-  checkpoint_lib.validate(config)
   run_dir_lib.check_writable(config.run.output_dir)
   mesh = mesh_lib.build_mesh(config.mesh, devices)
   out_dir = pathlib.Path(config.run.output_dir)
@@ -92,7 +88,7 @@ def fit(config: config_lib.Config) -> Fit:
     pipeline.check_first_batch()
     evaluator = eval_sweep.during_training(config, mesh)  # None unless eval.every_steps; checked before compiling
     if config.checkpoint.load_params:
-      checkpoint_lib.check_params(config.checkpoint.load_params, checkpoint_lib.abstract_state(trainer).params)
+      checkpoint_lib.check_params(config.checkpoint.load_params, trainer.abstract_state().params)
     # Holding the directory before Checkpoints looks at it: a second run must not clean up the first one's saves.
     with run_dir_lib.RunDir(config.run.output_dir) as run_dir, checkpoint_lib.Checkpoints(config, mesh) as checkpoints:
       state = checkpoints.restore_or_init(trainer, pipeline)
@@ -259,16 +255,23 @@ class _Reporter:
       self.writer.console(n, values, typical * (config.run.steps - n))
 
 
+def _parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(prog="python -m maxctx.train", description=__doc__.split("\n\n")[0],
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("config", help="the run's YAML file (e.g. configs/demo.yml)")
+  p.add_argument("overrides", nargs="*", help="section.key=value, e.g. run.steps=20")
+  distributed.add_flags(p)
+  return p
+
+
 def main(argv: list[str] | None = None) -> int:
-  argv = sys.argv[1:] if argv is None else argv
-  if not argv or argv[0] in ("-h", "--help"):
-    print(USAGE)
-    return 0 if argv else 2
+  args = _parser().parse_intermixed_args(sys.argv[1:] if argv is None else argv)
 
   def body():
-    args = distributed.initialize(argv)  # before anything touches a device; the logs then name the process
+    # Before anything touches a device; the logs then name the process.
+    distributed.initialize_processes(distributed.options(args))
     setup_logging()
-    run(config_lib.load(args[0], args[1:]))
+    run(config_lib.load(args.config, args.overrides))
 
   return exit_code(body)
 

@@ -13,8 +13,10 @@ import optax
 from jax.sharding import Mesh
 
 from maxctx import attention, chunks, mesh as mesh_lib, optim, sharding
+from maxctx import config as config_lib
 from maxctx.config import Config
 from maxctx.errors import ConfigError
+from maxctx import model as model_lib
 from maxctx.model import Transformer
 
 
@@ -26,61 +28,32 @@ class TrainState:
 
 
 def validate(config: Config, num_devices: int, num_slices: int = 1, platform: str | None = None) -> dict[str, int]:
-  """Every check a user's config can fail, with one-sentence errors; returns the mesh axis sizes. `platform` is the
-  one the step will run on (default: this process's backend; `tpu` when compiling ahead of time from a CPU)."""
+  """The one check of a run against its devices, before anything is read, written or compiled: each part's own rules,
+  once, with one-sentence errors. Returns the mesh axis sizes. `platform` is the one the step will run on (default:
+  this process's backend; `tpu` when compiling ahead of time from a CPU)."""
+  config_lib.check(config)                                   # each key's value on its own
   sizes = mesh_lib.axis_sizes(config.mesh, num_devices, num_slices)
-  m, d, o = config.model, config.data, config.optim
-  for key, value, least in (("model.n_heads", m.n_heads, 1), ("model.n_kv_heads", m.n_kv_heads, 1),
-                            ("model.n_layers", m.n_layers, 1), ("model.d_model", m.d_model, 1),
-                            ("model.head_dim", m.head_dim, 2), ("model.d_ff", m.d_ff, 1),
-                            ("model.vocab_size", m.vocab_size, 2), ("data.batch_size", d.batch_size, 1),
-                            ("metrics.log_every", config.metrics.log_every, 1),
-                            ("optim.warmup_steps", o.warmup_steps, 0), ("optim.decay_steps", o.decay_steps, 0),
-                            ("checkpoint.every_steps", config.checkpoint.every_steps, 0)):
-    if value < least:
-      raise ConfigError(f"{key} is {value}; it must be at least {least}.")
-  if d.seq_len < 2:
-    raise ConfigError(f"data.seq_len is {d.seq_len}; a sequence needs at least 2 tokens (an input and its target).")
-  # (key, value, least, most, whether the least itself is allowed): 0 switches lr decay, weight decay, clipping, a
-  # momentum and the peak override off; an epsilon, a scale or a base of 0 breaks the numerics.
-  for key, value, least, most, closed in (
-      ("optim.lr", o.lr, 0.0, None, True), ("optim.min_lr_ratio", o.min_lr_ratio, 0.0, 1.0, True),
-      ("optim.b1", o.b1, 0.0, 1.0, True), ("optim.b2", o.b2, 0.0, 1.0, True), ("optim.eps", o.eps, 0.0, None, False),
-      ("optim.weight_decay", o.weight_decay, 0.0, None, True), ("optim.clip_norm", o.clip_norm, 0.0, None, True),
-      ("model.norm_eps", m.norm_eps, 0.0, None, False), ("model.rope_theta", m.rope_theta, 0.0, None, False),
-      ("model.init_std", m.init_std, 0.0, None, False),
-      ("metrics.peak_tflops", config.metrics.peak_tflops, 0.0, None, True)):
-    if value < least or (value == least and not closed) or (most is not None and value > most):
-      allowed = f"in [{least:g}, {most:g}]" if most is not None else f"{'at least' if closed else 'above'} {least:g}"
-      raise ConfigError(f"{key} is {value:g}; it must be {allowed}.")
-  if m.n_heads % m.n_kv_heads:
-    raise ConfigError(f"model.n_heads {m.n_heads} is not a multiple of model.n_kv_heads {m.n_kv_heads}; "
-                      "grouped-query attention needs each KV head to serve the same number of query heads.")
-  if m.head_dim % 2:
-    raise ConfigError(f"model.head_dim {m.head_dim} must be even for rotary embeddings.")
-  for key, heads in (("model.n_heads", m.n_heads), ("model.n_kv_heads", m.n_kv_heads)):
-    if heads % sizes["tensor"]:
-      raise ConfigError(f"{key} {heads} is not divisible by the tensor degree {sizes['tensor']} "
-                        "(mesh.ici.tensor × mesh.dcn.tensor); choose a tensor degree that divides both head counts.")
-  batch_shards = sizes["data"] * sizes["fsdp"]
-  if o.grad_accum < 1 or d.batch_size % o.grad_accum:
-    raise ConfigError(f"data.batch_size {d.batch_size} is not divisible by optim.grad_accum {o.grad_accum}; "
+  _check_batch(config, sizes)                                # the step's microbatches over the batch shards
+  attention.validate(config.attention.strategy, attention_problem(config, sizes, platform))  # heads, layout, kernel
+  _check_chunks(config, sizes)                               # the model's loss and MLP steps over local tokens
+  return sizes
+
+
+def _check_batch(config: Config, sizes: dict[str, int]) -> None:
+  d, accum = config.data, config.optim.grad_accum
+  if d.batch_size % accum:
+    raise ConfigError(f"data.batch_size {d.batch_size} is not divisible by optim.grad_accum {accum}; "
                       "each microbatch must hold a whole number of sequences.")
-  micro = d.batch_size // o.grad_accum
+  batch_shards = sizes["data"] * sizes["fsdp"]
+  micro = d.batch_size // accum
   if micro % batch_shards:
     raise ConfigError(f"a microbatch of {micro} sequences (data.batch_size / optim.grad_accum) does not split over "
                       f"the {batch_shards} data×fsdp shards of the mesh; make it a multiple of {batch_shards}.")
-  if d.seq_len % sizes["context"]:
-    raise ConfigError(f"data.seq_len {d.seq_len} is not divisible by the context degree {sizes['context']}; "
-                      f"choose a multiple of {sizes['context']}.")
-  if config.run.steps < 1:
-    raise ConfigError(f"run.steps is {config.run.steps}; train at least one step.")
-  if m.loss_chunk < 1:
-    raise ConfigError(f"model.loss_chunk is {m.loss_chunk}; it must be a positive number of tokens.")
-  if m.mlp_chunk < 0:
-    raise ConfigError(f"model.mlp_chunk is {m.mlp_chunk}; it must be a number of tokens, or 0 for the whole "
-                      "sequence at once.")
-  local = d.seq_len // sizes["context"]
+
+
+def _check_chunks(config: Config, sizes: dict[str, int]) -> None:
+  m = config.model
+  local = config.data.seq_len // sizes["context"]
   for key, chunk in (("model.loss_chunk", m.loss_chunk), ("model.mlp_chunk", m.mlp_chunk)):
     # The loss's and the MLP's steps must split the device's tokens evenly; a chunk far below the one asked for would
     # mean many more sequential steps than intended.
@@ -88,8 +61,6 @@ def validate(config: Config, num_devices: int, num_slices: int = 1, platform: st
     if 0 < chunk < local and 2 * used <= chunk:
       raise ConfigError(f"{key} {chunk} does not divide the {local} tokens per device and would run as steps of "
                         f"{used}; choose a divisor of {local}.")
-  attention.validate(config.attention.strategy, attention_problem(config, sizes, platform))
-  return sizes
 
 
 def attention_problem(config: Config, sizes: dict[str, int], platform: str | None = None) -> attention.Problem:
@@ -108,6 +79,21 @@ def build_model(config: Config, mesh: Mesh | None) -> Transformer:
     attention_fn = attention.build(a.strategy, mesh, kernel=a.kernel, load_balance=a.load_balance,
                                    ulysses_degree=a.ulysses_degree, block_q=a.block_q, block_kv=a.block_kv)
   return Transformer(config.model, attention_fn)
+
+
+def init_params(model: Transformer, rng: jax.Array, seq_len: int) -> Any:
+  """The model's parameters (boxed with their logical axis names). Their shapes depend on neither the batch nor the
+  length; one row per batch shard keeps shard_map's shapes divisible, and XLA drops the unused forward pass."""
+  tokens = jnp.zeros((sharding.shards("batch"), seq_len), jnp.int32)
+  return model.init(rng, tokens, tokens, tokens)["params"]
+
+
+def param_shapes(model: Transformer, mesh: Mesh, seq_len: int) -> tuple[Any, Any]:
+  """(ShapeDtypeStructs with shardings, a jitted init from an rng) of the model's parameters on `mesh`."""
+  boxed = jax.eval_shape(lambda rng: init_params(model, rng, seq_len), jax.random.key(0))
+  shardings = sharding.tree_shardings(mesh, boxed)
+  shapes = jax.tree.map(lambda b, s: jax.ShapeDtypeStruct(b.shape, b.dtype, sharding=s), nn.unbox(boxed), shardings)
+  return shapes, jax.jit(lambda rng: nn.unbox(init_params(model, rng, seq_len)), out_shardings=shardings)
 
 
 def offloaded_bytes_per_device(config: Config, sizes: dict[str, int]) -> int:
@@ -138,17 +124,18 @@ class Trainer:
                         out_shardings=(self.state_shardings, sharding.replicated(self.mesh)), donate_argnums=(0,))
 
   def _init_boxed(self, rng) -> TrainState:
-    d = self.config.data
-    # Parameter shapes do not depend on the batch; one row per batch shard keeps shard_map's shapes divisible, and XLA
-    # drops the unused forward pass.
-    tokens = jnp.zeros((sharding.shards("batch"), d.seq_len), jnp.int32)
-    params = self.model.init(rng, tokens, tokens, tokens)["params"]
+    params = init_params(self.model, rng, self.config.data.seq_len)
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=self.tx.init(params))
+
+  def abstract_state(self) -> TrainState:
+    """The train state's shapes, dtypes and shardings, without allocating it."""
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                        jax.eval_shape(self.init, jax.random.key(0)), self.state_shardings)
 
   def loss_sum(self, params, batch):
     """(summed token loss, token count) of a batch."""
-    return self.model.apply({"params": params}, batch["tokens"], batch["segment_ids"], batch["positions"],
-                            batch["targets"])
+    x_BTD = self.model.apply({"params": params}, batch["tokens"], batch["segment_ids"], batch["positions"])
+    return model_lib.token_loss(self.config.model, params, x_BTD, batch["targets"], batch["segment_ids"])
 
   def _grads(self, params, batch, n_tokens):
     """Mean-loss gradients over the whole batch, accumulated over optim.grad_accum microbatches."""

@@ -95,8 +95,8 @@ def build_command(args: argparse.Namespace, overrides: list[str]) -> tuple[list[
     train_overrides.append(f"mesh.dcn.{args.dcn_axis}={args.num_slices}")
   if args.output_dir:
     train_overrides.append(f"run.output_dir={args.output_dir.rstrip('/')}/{workload}")
-  config, options = _load(recipe, train_overrides, args.tpu_type)
-  topo = topology_lib.resolve(args.tpu_type or options.topology)
+  config = _load(recipe, train_overrides, args.tpu_type)
+  topo = topology_lib.resolve(args.tpu_type or config.compile.topology)
   _check_fits_slices(config, topo, args.num_slices)
 
   train = ["python", "-m", "maxctx.train", repo_path(recipe), *train_overrides]

@@ -110,14 +110,14 @@ BASE = dict(context=8, tensor=1, n_heads=8, n_kv_heads=2, seq_len=1024, kernel="
 @pytest.mark.parametrize("strategy, changes, message", [
     ("rign", {}, r"attention.strategy 'rign' is not a known strategy; did you mean 'ring'\?"),
     ("ring", dict(kernel="blockwize"), r"attention.kernel 'blockwize' is not a known kernel; did you mean"),
-    ("ring", dict(seq_len=1020), r"data.seq_len 1020 is not divisible by the context degree 8"),
-    ("ring", dict(seq_len=1032, load_balance=True), r"not divisible by 2 × context = 16 \(zigzag"),
+    ("ring", dict(seq_len=1020), r"data.seq_len 1020 is not divisible by 8, the context degree"),
+    ("ring", dict(seq_len=1032, load_balance=True), r"not divisible by 16, 2 × the context degree 8 \(zigzag"),
     ("ulysses", dict(n_heads=4, n_kv_heads=4), r"attention.strategy ulysses splits the 4 query heads"),
     ("usp", dict(ulysses_degree=3), r"attention.ulysses_degree 3 does not divide the context degree 8"),
     ("usp", dict(n_heads=4, n_kv_heads=4, ulysses_degree=8), r"attention.strategy usp splits the 4 query heads"),
     ("ring", dict(ulysses_degree=2), r"attention.ulysses_degree=2 is read only by usp, not by ring"),
-    ("all_gather", dict(n_heads=6, n_kv_heads=4), r"n_heads 6 is not a multiple of n_kv_heads 4"),
-    ("all_gather", dict(tensor=4), r"the tensor axis \(4\) must divide both n_heads 8 and n_kv_heads 2"),
+    ("all_gather", dict(n_heads=6, n_kv_heads=4), r"model.n_heads 6 is not a multiple of model.n_kv_heads 4"),
+    ("all_gather", dict(tensor=4), r"model.n_kv_heads 2 is not divisible by the tensor degree 4"),
     ("ring", dict(kernel="flash"), r"attention.kernel 'flash' runs only on tpu, not on cpu; use attention.kernel="
                                    r"blockwise there\."),
     ("ring", dict(kernel="flash", platform="tpu", block_kv=100), r"attention.block_kv 100 is not a multiple of 128"),

@@ -2,11 +2,13 @@
 files, `none` has no CP communication and ring some, and the exact strategies' last-step losses agree; the HLO byte
 counter multiplies loop trip counts; --topology compiles the tiny model for a small TPU slice and estimates."""
 
+import dataclasses
 import importlib.util
 import json
 
 import pytest
 
+from maxctx import compile as compile_lib
 from maxctx import config as config_lib
 from maxctx import topology
 from maxctx.bench import __main__ as bench_main
@@ -101,10 +103,14 @@ def test_hlo_bytes_multiply_trip_counts_and_skip_single_device_groups():
 
 def test_roofline_estimate_is_the_largest_part_and_labelled():
   topo = topology.resolve("tpu7x-128")
-  rep = {"flops_per_device": 2307e12 / 2 * 3, "flops_per_step": 2307e12 / 2 * 3 * 128, "remat": "full",
-         "devices": 128, "seq_len": 1 << 20, "batch_size": 1,
-         "memory": {"argument": 1, "output": 1, "alias": 1, "temp": 2**30, "total": 2**30},
-         "collective_bytes": {"bytes_attention": {"collective-permute": 100e9}, "bytes_other": {}}}
+  rep = compile_lib.CompileReport(
+      config="t", topology=topo.name, libtpu_topology=topo.libtpu_name, num_slices=1, devices=128, chips=64,
+      device_kind="TPU7x", mesh={"context": 128}, strategy="ring", kernel="blockwise", seq_len=1 << 20, batch_size=1,
+      tokens_per_device=(1 << 20) // 128, context_degree=128, remat="full", loss_chunk=2048, mlp_chunk=0,
+      block_q=None, block_kv=None, params=8_000_000_000, flops_per_step=2307e12 / 2 * 3 * 128,
+      flops_per_device=2307e12 / 2 * 3, seconds_at_peak=None, hbm_per_device_bytes=topo.hbm_bytes,
+      memory=compile_lib.Memory(argument=1, output=1, alias=1, temp=2**30, code=0),
+      inspected={"collective_bytes": {"bytes_attention": {"collective-permute": 100e9}, "bytes_other": {}}})
   est = roofline.estimate(rep, topo)
   assert est["est_compute_s"] == pytest.approx(4.0)  # 3 s at peak, × 4/3 for the recomputed forward
   assert est["est_network_s"] == pytest.approx(1.0)  # 100 GB over one link at 100 GB/s
@@ -113,7 +119,7 @@ def test_roofline_estimate_is_the_largest_part_and_labelled():
   assert est["est_step_s_range"] is None   # blockwise: no measured comparable, only the ceiling
   assert "2,307" in roofline.table() and "7,380" in roofline.table()
   # flash: compute at the measured shares of peak (0.73 and 0.037), each step still at least the network's 1 s.
-  est = roofline.estimate({**rep, "kernel": "flash"}, topo)
+  est = roofline.estimate(dataclasses.replace(rep, kernel="flash"), topo)
   assert est["est_step_s_range"] == pytest.approx((4.0 / 0.73, 4.0 / 0.037))
   assert est["est_mfu_range"] == pytest.approx((0.75 * 0.73, 0.75 * 0.037))
 
@@ -142,7 +148,7 @@ def test_topology_compiles_estimates_and_reuses_reports(tmp_path):
   reports.mkdir()
   for path in (out / "compile-cache").glob("ring-*.json"):
     rep = json.loads(path.read_text())
-    del rep["collective_bytes"], rep["config_key"], rep["program_fields"]
+    del rep["inspected"], rep["config_key"], rep["program_fields"]
     (reports / "ring.json").write_text(json.dumps(rep))
   other = tmp_path / "b"
   assert bench_main.main(args + ["--out", str(other), "--no-compile", "--reports", str(reports)]) == 0

@@ -159,7 +159,7 @@ def test_resume_at_a_step(run_dir):
 ])
 def test_bad_checkpoint_keys_are_config_errors(tmp_path, override, fragment):
   with pytest.raises(ConfigError, match=fragment):
-    checkpoint.validate(_config(tmp_path, override))
+    config.check(_config(tmp_path, override))
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -94,16 +94,16 @@ def test_missing_topology_is_a_config_error(tmp_path):
 @pytest.mark.parametrize("topo", ["v5p:2x2x1", pytest.param("tpu7x:2x2x1", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("strategy", sorted(EXPECTED))
 def test_collectives_match_strategy(tiny_path, topo, strategy):
-  config, options = compile_lib.load(tiny_path, [f"compile.topology={topo}", f"attention.strategy={strategy}"])
-  report = compile_lib.compile_for(config, options)
-  assert report["fits"] and report["memory"]["total"] > 0
-  assert report["devices"] == topology.resolve(topo).devices
-  sent = {k for k, v in report["attention_collectives"].items() if v}
+  config = compile_lib.load(tiny_path, [f"compile.topology={topo}", f"attention.strategy={strategy}"])
+  report = compile_lib.compile_for(config)
+  assert report.fits and report.memory.total > 0
+  assert report.devices == topology.resolve(topo).devices
+  sent = {k for k, v in report.attention_collectives.items() if v}
   must, must_not = EXPECTED[strategy]
-  assert must <= sent and not (must_not & sent), (strategy, report["attention_collectives"])
+  assert must <= sent and not (must_not & sent), (strategy, report.attention_collectives)
   # ZeRO-3: parameters are all-gathered for use and their gradients reduced, whatever the strategy.
-  assert report["collectives"]["all-gather"] > 0
-  assert report["collectives"]["reduce-scatter"] + report["collectives"]["all-reduce"] > 0
+  assert report.collectives["all-gather"] > 0
+  assert report.collectives["reduce-scatter"] + report.collectives["all-reduce"] > 0
   assert "does not fit" not in compile_lib.format_report(report)
 
 
@@ -124,33 +124,33 @@ def test_offloaded_layer_inputs_leave_hbm(tiny_path):
   layers, tokens = 16, 4096
 
   def memory(remat):
-    config, options = compile_lib.load(tiny_path, [f"model.remat={remat}", f"data.seq_len={tokens}",
+    config = compile_lib.load(tiny_path, [f"model.remat={remat}", f"data.seq_len={tokens}",
                                                    f"model.n_layers={layers}"])
-    return compile_lib.compile_for(config, options)["memory"]
+    return compile_lib.compile_for(config).memory
 
   full, offload = memory("full"), memory("full_offload")
-  config, _ = compile_lib.load(tiny_path, ["model.remat=full_offload", f"data.seq_len={tokens}",
+  config = compile_lib.load(tiny_path, ["model.remat=full_offload", f"data.seq_len={tokens}",
                                            f"model.n_layers={layers}"])
   # The tiny model computes in float32: [batch 2, tokens / 4 chips, d_model] per layer. maxctx.train checks the same
   # figure against the host's RAM before compiling.
   m = config.model
   saved_inputs = layers * 2 * tokens // 4 * m.d_model * 4
   assert trainer_lib.offloaded_bytes_per_device(config, trainer_lib.validate(config, 4, platform="tpu")) == saved_inputs
-  assert full["host_temp"] == 0
-  assert saved_inputs <= offload["host_temp"] <= 1.1 * saved_inputs
-  assert offload["temp"] <= full["temp"] - saved_inputs // 2   # most of what went to the host left HBM
+  assert full.host_temp == 0
+  assert saved_inputs <= offload.host_temp <= 1.1 * saved_inputs
+  assert offload.temp <= full.temp - saved_inputs // 2   # most of what went to the host left HBM
 
 
 @needs_libtpu
 def test_flash_kernel_compiles_for_tpu_under_ulysses(tiny_path):
   # Whole-sequence use of the flash kernel (its own custom_vjp around the same Mosaic kernels) in the full train
   # step under ulysses with zigzag load balancing, which a kernel that read causality from token order could not do.
-  config, options = compile_lib.load(tiny_path, [
+  config = compile_lib.load(tiny_path, [
       "attention.strategy=ulysses", "attention.kernel=flash", "attention.load_balance=true", "model.head_dim=128",
       "mesh.ici.context=2", "data.seq_len=1024"])
-  report = compile_lib.compile_for(config, options, inspect=lambda compiled: {"hlo": compiled.as_text()})
-  assert report["fits"] and report["attention_collectives"]["all-to-all"] > 0
-  calls = {line.split("=")[0].strip().split(".")[0].lstrip("%") for line in report["hlo"].splitlines()
+  report = compile_lib.compile_for(config, inspect=lambda compiled: {"hlo": compiled.as_text()})
+  assert report.fits and report.attention_collectives["all-to-all"] > 0
+  calls = {line.split("=")[0].strip().split(".")[0].lstrip("%") for line in report.inspected["hlo"].splitlines()
            if 'custom_call_target="tpu_custom_call"' in line}
   assert calls == {"maxctx_flash_fwd", "maxctx_flash_dq", "maxctx_flash_dkv"}
 
@@ -203,14 +203,14 @@ def test_flash_kernel_runs_inside_the_ring(tiny_path, topo, strategy):
   # The whole train step with the flash kernel, lowered by Mosaic for the TPU (not interpreted): forward and both
   # backward kernels sit inside the ring's hop loop, and no array is as large as the local queries times their keys.
   # 640 tokens per device (usp: 1,280 per all-to-all group) keep those lengths apart from every other dimension.
-  config, options = compile_lib.load(tiny_path, [f"compile.topology={topo}", f"attention.strategy={strategy}",
+  config = compile_lib.load(tiny_path, [f"compile.topology={topo}", f"attention.strategy={strategy}",
                                                  "attention.kernel=flash", "model.head_dim=128",
                                                  "data.seq_len=2560"])
-  report = compile_lib.compile_for(config, options, inspect=lambda compiled: {"hlo": compiled.as_text()})
-  assert report["fits"] and report["attention_collectives"]["collective-permute"] > 0
-  assert _ring_kernels(report["hlo"]) == {"maxctx_flash_fwd", "maxctx_flash_dq", "maxctx_flash_dkv"}
+  report = compile_lib.compile_for(config, inspect=lambda compiled: {"hlo": compiled.as_text()})
+  assert report.fits and report.attention_collectives["collective-permute"] > 0
+  assert _ring_kernels(report.inspected["hlo"]) == {"maxctx_flash_fwd", "maxctx_flash_dq", "maxctx_flash_dkv"}
   lengths = (640, 1280) if strategy == "usp" else (640,)
-  shapes = set(re.findall(r"\[([\d,]+)\]", report["hlo"]))
+  shapes = set(re.findall(r"\[([\d,]+)\]", report.inspected["hlo"]))
   quadratic = [s for s in shapes if any(f"{a},{b}" in f",{s}," or s.startswith(f"{a},{b}") or s.endswith(f"{a},{b}")
                                         for a in lengths for b in lengths)]
   assert not quadratic, quadratic

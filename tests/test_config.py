@@ -33,6 +33,15 @@ def test_public_keys_keep_their_names():
   assert set(PUBLIC_KEYS) <= set(config.schema_keys())
 
 
+def test_resume_and_data_fingerprints_name_schema_keys():
+  """A renamed config key must not drop silently out of what a resumed run has to share with its checkpoint (the
+  lookup of an unknown key would give None on both sides and always match)."""
+  from maxctx import data, resume_match
+  keys = set(config.schema_keys())
+  assert set(resume_match.MUST_MATCH) <= keys
+  assert set(data.STREAM_KEYS) <= set(resume_match.MUST_MATCH)
+
+
 def test_presets_have_the_published_dimensions():
   c8 = config.load(None, ["model.preset=llama3.1-8b"]).model
   assert (c8.d_model, c8.n_layers, c8.n_heads, c8.n_kv_heads, c8.head_dim, c8.d_ff, c8.vocab_size) == (

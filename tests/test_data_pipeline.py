@@ -16,6 +16,7 @@ from maxctx import data
 from maxctx.attention import layout
 from maxctx.data import sources, tokenizers
 from maxctx.errors import CheckpointError, ConfigError, DataError
+from maxctx.trainer import validate
 
 FIELDS = ("tokens", "targets", "segment_ids", "positions")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -202,10 +203,11 @@ def test_undecodable_text_is_a_bad_record(sp_model, tmp_path):
 
 
 def test_shape_errors_before_reading():
-  with pytest.raises(ConfigError, match=r"data.batch_size 3 is not divisible by the 2 batch shards"):
-    build(config("data.batch_size=3"))
-  with pytest.raises(ConfigError, match=r"data.seq_len 36 is not divisible by 8, 2 × context"):
-    build(config("data.seq_len=36", "attention.load_balance=true"))
+  # The run's one check (maxctx.trainer.validate) refuses them before the pipeline is built.
+  with pytest.raises(ConfigError, match=r"a microbatch of 3 sequences .* does not split over the 2 data×fsdp shards"):
+    validate(config("data.batch_size=3"), 8)
+  with pytest.raises(ConfigError, match=r"data.seq_len 36 is not divisible by 8, 2 × the context degree 4"):
+    validate(config("data.seq_len=36", "attention.load_balance=true"), 8)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -51,8 +51,7 @@ def test_train_then_sweep_writes_outputs_and_eval_scalars_and_saved_params_reloa
 
 @pytest.mark.parametrize("args, message", [
     (["--tasks", "passkye"], "--tasks names task 'passkye', which does not exist; did you mean 'passkey'?"),
-    (["--lengths", "1k,250"], "eval length 250 is not divisible by 4, the context degree; choose lengths that are "
-                              "multiples of 4."),
+    (["--lengths", "1k,250"], "eval length 250 is not divisible by 4, the context degree; choose a multiple of 4."),
     (["--lengths", "64"], "task passkey needs at least"),
     (["--depths", "0,2"], "--depths has depth '2'"),
     (["--samples", "0"], "score at least one example per cell"),

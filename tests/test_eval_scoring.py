@@ -1,6 +1,5 @@
 """Scoring: oracles score 100% and uniform 0%; ring over 8 devices scores exactly like all_gather + reference."""
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,6 +10,7 @@ from maxctx.data import tokenizers
 from maxctx.eval import params as params_lib
 from maxctx.data import tasks
 from maxctx.eval import scoring
+from maxctx import trainer as trainer_lib
 from maxctx.trainer import build_model
 
 
@@ -76,7 +76,7 @@ def test_ring_over_8_devices_scores_like_all_gather_reference(pieces, tmp_path):
   c = config.load("configs/demo.yml", ["mesh.ici.fsdp=8", "mesh.ici.context=1", "model.init_std=0.3"])
   mesh = mesh_lib.build_mesh(c.mesh)
   with jax.set_mesh(mesh):
-    _, init = params_lib.abstract(build_model(c, mesh), mesh, 16)
+    _, init = trainer_lib.param_shapes(build_model(c, mesh), mesh, 16)
     params_lib.save(init(jax.random.key(1)), tmp_path / "params")
   examples = tasks.sweep(["passkey", "niah_single"], [1024], [0.0, 0.5, 1.0, 0.25], 1, pieces)
   ref = _scores(["mesh.ici.fsdp=8", "mesh.ici.context=1", "attention.strategy=all_gather",

@@ -20,6 +20,7 @@ import pytest
 from maxctx import config as config_lib
 from maxctx import hf
 from maxctx.errors import CheckpointError, ConfigError
+from maxctx import model
 from maxctx.model import Transformer, rope
 
 torch = pytest.importorskip("torch")
@@ -73,8 +74,10 @@ def hf_logits(model, tokens_BT: np.ndarray) -> np.ndarray:
 
 def maxctx_logits(params, cfg, tokens_BT: np.ndarray) -> np.ndarray:
   positions = np.broadcast_to(np.arange(tokens_BT.shape[1], dtype=np.int32), tokens_BT.shape)
-  apply = jax.jit(Transformer(cfg).apply)
-  return np.asarray(apply({"params": params}, tokens_BT, np.ones_like(tokens_BT), positions))
+  @jax.jit
+  def apply(params, tokens_BT, segment_ids_BT, positions_BT):
+    return model.logits(params, Transformer(cfg).apply({"params": params}, tokens_BT, segment_ids_BT, positions_BT))
+  return np.asarray(apply(params, tokens_BT, np.ones_like(tokens_BT), positions))
 
 
 def assert_tree_like_init(params, cfg):

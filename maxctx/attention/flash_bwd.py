@@ -29,37 +29,18 @@ _GRID = ("parallel", "parallel", "parallel", "arbitrary")
 
 def _dq_kernel(q_sums, kv_sums, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_ids_ref, kv_ids_ref,
                dq_in, dq_ref, q_seg_scr, q_pos_scr, lse_scr, delta_scr, *, groups, nq, nk):
-  b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
   H = k_ref.shape[-1]
 
-  @pl.when(j == 0)
-  def _load():
-    # An aliased output block starts undefined in VMEM: the accumulator is read from its input block.
-    dq_ref[...] = dq_in[...]
-    q_seg_scr[...], q_pos_scr[...] = tiles.id_columns(q_ids_ref)
-    for g in range(groups):
-      lse_scr[g] = tiles.column(lse_ref[g:g + 1, :])
-      delta_scr[g] = tiles.column(delta_ref[g:g + 1, :])
+  def head(g, lanes, s_QS, vis_QS, k_SH, v_SH):
+    p_QS = jnp.exp(s_QS - lse_scr[g][:, 0:1])
+    if vis_QS is not None:
+      p_QS = jnp.where(vis_QS, p_QS, 0.0)
+    dp_QS = jax.lax.dot_general(do_ref[:, lanes], v_SH, tiles.NT, preferred_element_type=_F32)
+    ds_QS = (p_QS * (dp_QS - delta_scr[g][:, 0:1])).astype(k_SH.dtype)
+    dq_ref[:, lanes] += jnp.dot(ds_QS, k_SH, preferred_element_type=_F32) * H**-0.5
 
-  hidden, full = tiles.tile_kind(q_sums, kv_sums, b, i, j, nq, nk)
-
-  def tile(masked):
-    k_SH, v_SH = k_ref[...], v_ref[...]
-    vis_QS = tiles.visible(q_seg_scr[...], q_pos_scr[...], kv_ids_ref) if masked else None
-    for g in range(groups):
-      lanes = slice(g * H, (g + 1) * H)
-      q_QH = (q_ref[:, lanes] * H**-0.5).astype(q_ref.dtype)
-      do_QH = do_ref[:, lanes]
-      s_QS = jax.lax.dot_general(q_QH, k_SH, tiles.NT, preferred_element_type=_F32)
-      p_QS = jnp.exp(s_QS - lse_scr[g][:, 0:1])
-      if masked:
-        p_QS = jnp.where(vis_QS, p_QS, 0.0)
-      dp_QS = jax.lax.dot_general(do_QH, v_SH, tiles.NT, preferred_element_type=_F32)
-      ds_QS = (p_QS * (dp_QS - delta_scr[g][:, 0:1])).astype(k_SH.dtype)
-      dq_ref[:, lanes] += jnp.dot(ds_QS, k_SH, preferred_element_type=_F32) * H**-0.5
-
-  pl.when(full)(lambda: tile(False))
-  pl.when(jnp.logical_not(hidden | full))(lambda: tile(True))
+  tiles.query_blocks(q_sums, kv_sums, q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, dq_in, dq_ref, q_seg_scr,
+                     q_pos_scr, ((lse_ref, lse_scr), (delta_ref, delta_scr)), groups, nq, nk, head)
 
 
 def _dkv_kernel(q_sums, kv_sums, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_ids_ref, kv_ids_ref,
@@ -80,7 +61,7 @@ def _dkv_kernel(q_sums, kv_sums, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref
     dk_SH, dv_SH = dk_ref[...], dv_ref[...]
     for g in range(groups):
       lanes = slice(g * H, (g + 1) * H)
-      q_QH = (q_ref[:, lanes] * H**-0.5).astype(q_ref.dtype)
+      q_QH = tiles.scaled_q(q_ref, g, H)
       do_QH = do_ref[:, lanes]
       s_SQ = jax.lax.dot_general(k_SH, q_QH, tiles.NT, preferred_element_type=_F32)
       p_SQ = jnp.exp(s_SQ - lse_ref[g:g + 1, :])
@@ -93,8 +74,7 @@ def _dkv_kernel(q_sums, kv_sums, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref
       dk_SH += jnp.dot(ds_SQ, q_QH, preferred_element_type=_F32)
     dk_ref[...], dv_ref[...] = dk_SH, dv_SH
 
-  pl.when(full)(lambda: tile(False))
-  pl.when(jnp.logical_not(hidden | full))(lambda: tile(True))
+  tiles.when_visible(hidden, full, tile)
 
 
 def backward(grads, q_BTNH, k_BSKH, v_BSKH, q_seg, kv_seg, q_pos, kv_pos, lse_BNT, delta_BNT, dout_BTNH, bq, bk,

@@ -26,45 +26,26 @@ _F32 = jnp.float32
 
 def _kernel(q_sums, kv_sums, q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, acc_in, max_in, den_in,
             acc_ref, max_ref, den_ref, q_seg_scr, q_pos_scr, max_scr, den_scr, *, groups, nq, nk):
-  b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
-  H = k_ref.shape[-1]
 
-  @pl.when(j == 0)
-  def _load():
-    # An aliased output block starts undefined in VMEM: the carried state is read from its input blocks.
-    acc_ref[...] = acc_in[...]
-    q_seg_scr[...], q_pos_scr[...] = tiles.id_columns(q_ids_ref)
-    for g in range(groups):
-      max_scr[g] = tiles.column(max_in[g:g + 1, :])
-      den_scr[g] = tiles.column(den_in[g:g + 1, :])
+  def head(g, lanes, s_QS, vis_QS, k_SH, v_SH):
+    if vis_QS is not None:
+      s_QS = jnp.where(vis_QS, s_QS, -jnp.inf)
+    max_prev = max_scr[g][:, 0:1]
+    max_new = jnp.maximum(max_prev, jnp.max(s_QS, axis=1, keepdims=True))
+    # A row that has seen nothing keeps max -inf; shift by 0 there so exp gives 0, not NaN.
+    shift = jnp.where(max_new == -jnp.inf, 0.0, max_new)
+    p_QS = jnp.exp(s_QS - shift)
+    rescale = jnp.exp(max_prev - shift)
+    den_new = den_scr[g][:, 0:1] * rescale + jnp.sum(p_QS, axis=1, keepdims=True)
+    max_scr[g] = jnp.broadcast_to(max_new, max_scr.shape[1:])
+    den_scr[g] = jnp.broadcast_to(den_new, den_scr.shape[1:])
+    pv_QH = jnp.dot(p_QS.astype(v_SH.dtype), v_SH, preferred_element_type=_F32)
+    acc_ref[:, lanes] = acc_ref[:, lanes] * rescale + pv_QH
 
-  hidden, full = tiles.tile_kind(q_sums, kv_sums, b, i, j, nq, nk)
+  tiles.query_blocks(q_sums, kv_sums, q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, acc_in, acc_ref, q_seg_scr,
+                     q_pos_scr, ((max_in, max_scr), (den_in, den_scr)), groups, nq, nk, head)
 
-  def tile(masked):
-    k_SH, v_SH = k_ref[...], v_ref[...]
-    vis_QS = tiles.visible(q_seg_scr[...], q_pos_scr[...], kv_ids_ref) if masked else None
-    for g in range(groups):
-      lanes = slice(g * H, (g + 1) * H)
-      q_QH = (q_ref[:, lanes] * H**-0.5).astype(q_ref.dtype)
-      s_QS = jax.lax.dot_general(q_QH, k_SH, tiles.NT, preferred_element_type=_F32)
-      if masked:
-        s_QS = jnp.where(vis_QS, s_QS, -jnp.inf)
-      max_prev = max_scr[g][:, 0:1]
-      max_new = jnp.maximum(max_prev, jnp.max(s_QS, axis=1, keepdims=True))
-      # A row that has seen nothing keeps max -inf; shift by 0 there so exp gives 0, not NaN.
-      shift = jnp.where(max_new == -jnp.inf, 0.0, max_new)
-      p_QS = jnp.exp(s_QS - shift)
-      rescale = jnp.exp(max_prev - shift)
-      den_new = den_scr[g][:, 0:1] * rescale + jnp.sum(p_QS, axis=1, keepdims=True)
-      max_scr[g] = jnp.broadcast_to(max_new, max_scr.shape[1:])
-      den_scr[g] = jnp.broadcast_to(den_new, den_scr.shape[1:])
-      pv_QH = jnp.dot(p_QS.astype(v_SH.dtype), v_SH, preferred_element_type=_F32)
-      acc_ref[:, lanes] = acc_ref[:, lanes] * rescale + pv_QH
-
-  pl.when(full)(lambda: tile(False))
-  pl.when(jnp.logical_not(hidden | full))(lambda: tile(True))
-
-  @pl.when(j == nk - 1)
+  @pl.when(pl.program_id(3) == nk - 1)
   def _store():
     for g in range(groups):
       max_ref[g:g + 1, :] = tiles.row(max_scr[g])

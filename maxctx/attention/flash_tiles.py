@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
 from maxctx.attention import mask
 
@@ -58,6 +59,48 @@ def tile_kind(q_sums, kv_sums, b, i, j, nq, nk):
   kv = [kv_sums[(b * nk + j) * FIELDS + f] for f in range(FIELDS)]
   q[4], kv[4] = q[4] != 0, kv[4] != 0
   return mask.pair_hidden(q, kv), mask.pair_full(q, kv)
+
+
+def when_visible(hidden, full, tile) -> None:
+  """Runs `tile(masked)` on a tile some of whose pairs are visible: unmasked where all are, masked where some are;
+  a hidden tile does no work at all."""
+  pl.when(full)(lambda: tile(False))
+  pl.when(jnp.logical_not(hidden | full))(lambda: tile(True))
+
+
+def query_blocks(q_sums, kv_sums, q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, acc_in, acc_ref, q_seg_scr, q_pos_scr,
+                 rows, groups, nq, nk, head) -> None:
+  """The body of the kernels that keep a query block while key blocks pass (forward, dq; grid (b, kv head, i, j)).
+
+  On the block's first visit: the float32 accumulator from its input block (an aliased output block starts
+  undefined in VMEM), the block's ids as columns, and each (row input, column scratch) pair of per-row values
+  ([groups, Q] → groups × [Q, LANES]). Then, for each query head g of a tile with visible pairs,
+  `head(g, lanes, s_QS, vis_QS, k_SH, v_SH)` with the scaled scores and the mask (None where all pairs are visible).
+  """
+  b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+  H = k_ref.shape[-1]
+
+  @pl.when(j == 0)
+  def _load():
+    acc_ref[...] = acc_in[...]
+    q_seg_scr[...], q_pos_scr[...] = id_columns(q_ids_ref)
+    for rows_ref, columns_scr in rows:
+      for g in range(groups):
+        columns_scr[g] = column(rows_ref[g:g + 1, :])
+
+  def tile(masked):
+    k_SH, v_SH = k_ref[...], v_ref[...]
+    vis_QS = visible(q_seg_scr[...], q_pos_scr[...], kv_ids_ref) if masked else None
+    for g in range(groups):
+      s_QS = jax.lax.dot_general(scaled_q(q_ref, g, H), k_SH, NT, preferred_element_type=jnp.float32)
+      head(g, slice(g * H, (g + 1) * H), s_QS, vis_QS, k_SH, v_SH)
+
+  when_visible(*tile_kind(q_sums, kv_sums, b, i, j, nq, nk), tile)
+
+
+def scaled_q(q_ref, g, H):
+  """Query head g of the block's [Q, groups·H] lanes, pre-scaled by H^-1/2 in its own dtype."""
+  return (q_ref[:, g * H:(g + 1) * H] * H**-0.5).astype(q_ref.dtype)
 
 
 def column(row_1Q):

@@ -11,6 +11,21 @@ from __future__ import annotations
 
 import numpy as np
 
+from maxctx.errors import ConfigError
+
+
+def row_quantum(context: int, load_balance: bool) -> int:
+  """Sequence lengths must be multiples of this: the context axis cuts a row into equal parts (2 per device zigzag)."""
+  return 2 * context if load_balance else context
+
+
+def check_length(seq_len: int, context: int, load_balance: bool, what: str = "data.seq_len") -> None:
+  """Refuses a sequence length the context axis (and the zigzag layout) cannot cut evenly."""
+  q = row_quantum(context, load_balance)
+  if seq_len % q:
+    why = f"2 × the context degree {context} (zigzag load balancing)" if load_balance else "the context degree"
+    raise ConfigError(f"{what} {seq_len} is not divisible by {q}, {why}; choose a multiple of {q}.")
+
 
 def zigzag_indices(seq_len: int, context: int) -> np.ndarray:
   """Source index of each token in the zigzag layout: position t of the laid-out sequence holds token out[t]."""

@@ -11,7 +11,7 @@ import jax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from maxctx import sharding
-from maxctx.attention import kernels
+from maxctx.attention import kernels, layout
 from maxctx.errors import ConfigError
 
 # fn(q [B,T,N,H], k [B,T,K,H], v [B,T,K,H], segment_ids [B,T], positions [B,T]) -> out [B,T,N,H], global arrays.
@@ -53,18 +53,17 @@ class Strategy:
     if kernels.KERNELS[p.kernel].check is not None and (reason := kernels.KERNELS[p.kernel].check(p)):
       raise ConfigError(reason)
     if p.n_heads % p.n_kv_heads:
-      raise ConfigError(f"model n_heads {p.n_heads} is not a multiple of n_kv_heads {p.n_kv_heads}; "
-                        "grouped-query attention needs whole groups.")
-    if p.n_heads % p.tensor or p.n_kv_heads % p.tensor:
-      raise ConfigError(f"the tensor axis ({p.tensor}) must divide both n_heads {p.n_heads} and n_kv_heads "
-                        f"{p.n_kv_heads}, since attention shards heads over it; choose a smaller mesh tensor size.")
+      raise ConfigError(f"model.n_heads {p.n_heads} is not a multiple of model.n_kv_heads {p.n_kv_heads}; "
+                        "grouped-query attention needs each KV head to serve the same number of query heads.")
+    for key, heads in (("model.n_heads", p.n_heads), ("model.n_kv_heads", p.n_kv_heads)):
+      if heads % p.tensor:
+        raise ConfigError(f"{key} {heads} is not divisible by the tensor degree {p.tensor} (mesh.ici.tensor × "
+                          "mesh.dcn.tensor), over which attention shards its heads; choose a tensor degree that "
+                          "divides both head counts.")
     if p.ulysses_degree is not None and not self.uses_ulysses_degree:
       raise ConfigError(f"attention.ulysses_degree={p.ulysses_degree} is read only by usp, not by {self.name}; "
                         "remove it or set attention.strategy=usp.")
-    chunks = 2 * p.context if p.load_balance else p.context
-    if p.seq_len % chunks:
-      what = f"2 × context = {chunks} (zigzag load balancing)" if p.load_balance else f"the context degree {chunks}"
-      raise ConfigError(f"data.seq_len {p.seq_len} is not divisible by {what}; choose a multiple of {chunks}.")
+    layout.check_length(p.seq_len, p.context, p.load_balance)
 
   def build(self, mesh: Mesh, *, kernel: str, load_balance: bool, ulysses_degree: int | None,
             block_q: int | None, block_kv: int | None) -> AttentionFn:

@@ -97,156 +97,167 @@ def ring_attention(parts: Blockwise, axis: str, perm: list[tuple[int, int]], hop
   groups, then each sub-chunk of its K/V the same way before that sub-chunk's ring over the groups, and moves the
   output back; the backward does the same with the gradients.
   """
-  degree = all_to_all.degree if all_to_all else 1
+  ring = _Ring(parts, axis, perm, hops, all_to_all)
 
-  def send(x):
-    return jax.lax.ppermute(x, axis, perm)
+  @jax.custom_vjp
+  def attend(q_BTNH, k_BTKH, v_BTKH, seg_BT, pos_BT):
+    return ring.forward(q_BTNH, k_BTKH, v_BTKH, seg_BT, pos_BT)[0]
 
-  def group_ids(seg_BT, pos_BT):
+  def attend_fwd(q_BTNH, k_BTKH, v_BTKH, seg_BT, pos_BT):
+    with jax.named_scope("ring_fwd"):
+      out_BTNH, lse = ring.forward(q_BTNH, k_BTKH, v_BTKH, seg_BT, pos_BT)
+    return out_BTNH, (q_BTNH, k_BTKH, v_BTKH, seg_BT, pos_BT, out_BTNH, lse)
+
+  def attend_bwd(res, dout_BTNH):
+    with jax.named_scope("ring_bwd"):
+      return (*ring.backward(*res, dout_BTNH), None, None)
+
+  attend.defvjp(attend_fwd, attend_bwd)
+  return attend
+
+
+class _Ring:
+  """The passes (groups of heads), sub-chunks and hops of one ring (or USP) attention; see `ring_attention`."""
+
+  def __init__(self, parts: Blockwise, axis: str, perm: list[tuple[int, int]], hops: int,
+               all_to_all: AllToAll | None):
+    self.parts, self.axis, self.perm, self.hops, self.all_to_all = parts, axis, perm, hops, all_to_all
+    self.degree = all_to_all.degree if all_to_all else 1
+
+  def send(self, x):
+    return jax.lax.ppermute(x, self.axis, self.perm)
+
+  def group_ids(self, seg_BT, pos_BT):
     """The queries' segment ids and positions as the kernel sees them (USP: the group's, gathered), and the two
     stacked as [2, B, degree, T] by group member, for `ring_chunk` to slice a sub-chunk's from: the all-to-all
     concatenates the members' tokens in member order, as the gather does."""
-    ring_seg, ring_pos = (seg_BT, pos_BT) if all_to_all is None else all_to_all.gather((seg_BT, pos_BT))
-    return ring_seg, ring_pos, jnp.stack([ring_seg, ring_pos]).reshape(2, seg_BT.shape[0], degree, -1)
+    a2a = self.all_to_all
+    ring_seg, ring_pos = (seg_BT, pos_BT) if a2a is None else a2a.gather((seg_BT, pos_BT))
+    return ring_seg, ring_pos, jnp.stack([ring_seg, ring_pos]).reshape(2, seg_BT.shape[0], self.degree, -1)
 
-  def ring_chunk(k_BTKH, v_BTKH, ids_2BUT, start, size, head, heads):
+  def ring_chunk(self, k_BTKH, v_BTKH, ids_2BUT, start, size, head, heads):
     """Tokens [start, start + size) of the local K/V's heads [head, head + heads) as the ring carries them (USP:
     all-to-all'd to head sharding), with their ids taken from `group_ids`."""
     k_BCKH, v_BCKH = _block(k_BTKH, start, size, head, heads), _block(v_BTKH, start, size, head, heads)
-    if all_to_all is not None:
-      k_BCKH, v_BCKH = all_to_all.to_heads(*all_to_all.replicate(k_BCKH, v_BCKH))
+    if self.all_to_all is not None:
+      k_BCKH, v_BCKH = self.all_to_all.to_heads(*self.all_to_all.replicate(k_BCKH, v_BCKH))
     ids_2BUC = jax.lax.dynamic_slice_in_dim(ids_2BUT, start, size, axis=3)
-    return k_BCKH, v_BCKH, ids_2BUC.reshape(*ids_2BUC.shape[:2], degree * size)
+    return k_BCKH, v_BCKH, ids_2BUC.reshape(*ids_2BUC.shape[:2], self.degree * size)
 
   # K and V travel as two arrays, not stacked: the kernel's loops take each as an operand, and slices of a stack
   # made XLA copy both out of it on every hop. Segment ids and positions travel stacked (they are small).
-  def ring_forward(state, q_BTNH, k_BSKH, v_BSKH, ids_2BS, seg_BT, pos_BT, first_head):
+  def ring_forward(self, state, q_BTNH, k_BSKH, v_BSKH, ids_2BS, seg_BT, pos_BT, first_head):
     """The state after the queries met every device's chunk; with `first_head`, q holds more heads than the
     state and the pass reads its own in place."""
     def visit(state, k, v, ids_2BS):
-      return parts.forward(state, q_BTNH, k, v, seg_BT, ids_2BS[0], pos_BT, ids_2BS[1], first_head=first_head)
+      return self.parts.forward(state, q_BTNH, k, v, seg_BT, ids_2BS[0], pos_BT, ids_2BS[1], first_head=first_head)
 
     def hop(carry, _):
       state, *chunk = carry
       with jax.named_scope("ring_ppermute_kv"):
-        incoming = send(tuple(chunk))   # issued before the compute on this chunk so the transfer overlaps it
+        incoming = self.send(tuple(chunk))   # issued before the compute on this chunk so the transfer overlaps it
       return (visit(state, *chunk), *incoming), None
 
-    (state, *chunk), _ = jax.lax.scan(hop, (state, k_BSKH, v_BSKH, ids_2BS), length=hops - 1)
+    (state, *chunk), _ = jax.lax.scan(hop, (state, k_BSKH, v_BSKH, ids_2BS), length=self.hops - 1)
     return visit(state, *chunk)
 
-  def ring_backward(dq_BTNH, q_BTNH, k_BSKH, v_BSKH, ids_2BS, seg_BT, pos_BT, lse_BNT, delta_BNT, dout_BTNH,
+  def ring_backward(self, dq_BTNH, q_BTNH, k_BSKH, v_BSKH, ids_2BS, seg_BT, pos_BT, lse_BNT, delta_BNT, dout_BTNH,
                     first_head):
     """(dq + this chunk's share, dk, dv): dq has lse's heads; with `first_head`, q, dout and delta hold all heads
     and the pass reads its own in place."""
     def hop(carry, _):
       dq_BTNH, k_BSKH, v_BSKH, ids_2BS, dk_BSKH, dv_BSKH = carry
       with jax.named_scope("ring_ppermute_kv"):
-        incoming = send((k_BSKH, v_BSKH, ids_2BS))
-      dq_BTNH, dk_BSKH, dv_BSKH = parts.backward(
+        incoming = self.send((k_BSKH, v_BSKH, ids_2BS))
+      dq_BTNH, dk_BSKH, dv_BSKH = self.parts.backward(
           q_BTNH, k_BSKH, v_BSKH, seg_BT, ids_2BS[0], pos_BT, ids_2BS[1], lse_BNT, delta_BNT, dout_BTNH,
           grads=(dq_BTNH, dk_BSKH, dv_BSKH), first_head=first_head)
       with jax.named_scope("ring_ppermute_dkv"):
         # The accumulators travel with their chunk; this hop overlaps the next chunk's compute.
-        dk_BSKH, dv_BSKH = send((dk_BSKH, dv_BSKH))
+        dk_BSKH, dv_BSKH = self.send((dk_BSKH, dv_BSKH))
       return (dq_BTNH, *incoming, dk_BSKH, dv_BSKH), None
 
     zeros = jnp.zeros(k_BSKH.shape, jnp.float32)
-    carry, _ = jax.lax.scan(hop, (dq_BTNH, k_BSKH, v_BSKH, ids_2BS, zeros, zeros), length=hops - 1)
+    carry, _ = jax.lax.scan(hop, (dq_BTNH, k_BSKH, v_BSKH, ids_2BS, zeros, zeros), length=self.hops - 1)
     (dq, _, _, _, dk, dv), _ = hop(carry, None)   # the last hop's K/V send is dead code, dropped by XLA
     return dq, dk, dv
 
-  def passes(n):
+  def passes(self, n):
     """n as a loop bound XLA cannot see: a one-trip loop would be inlined, and on XLA:CPU the ring's collectives then
     sat beside the layer's other collectives with nothing ordering them; devices ran them in different orders and the
     step deadlocked (seen with one pass of all heads in tests/test_resume.py)."""
-    return n + jnp.minimum(jax.lax.axis_index(axis), 0)
+    return n + jnp.minimum(jax.lax.axis_index(self.axis), 0)
 
-  def plan(q_BTNH, k_BTKH):
-    return pass_plan(q_BTNH, k_BTKH, degree, fit_kv=parts.fit_kv)
+  def plan(self, q_BTNH, k_BTKH):
+    return pass_plan(q_BTNH, k_BTKH, self.degree, fit_kv=self.parts.fit_kv)
 
-  def forward(q_BTNH, k_BTKH, v_BTKH, seg_BT, pos_BT):
-    n, per, G, subs = plan(q_BTNH, k_BTKH)
+  def forward(self, q_BTNH, k_BTKH, v_BTKH, seg_BT, pos_BT):
+    """(out [B, T, N, H], every pass's lse [passes, B, heads per pass, T])."""
+    parts, a2a = self.parts, self.all_to_all
+    n, per, G, subs = self.plan(q_BTNH, k_BTKH)
     C = k_BTKH.shape[1] // subs
-    ring_seg, ring_pos, ids_2BUT = group_ids(seg_BT, pos_BT)
+    ring_seg, ring_pos, ids_2BUT = self.group_ids(seg_BT, pos_BT)
     # The queries one pass attends, as the kernel sees them (USP: after the all-to-all); only the shape is used.
     pass_q = jax.ShapeDtypeStruct((*q_BTNH.shape[:2], per * G, q_BTNH.shape[3]), q_BTNH.dtype)
-    if all_to_all is not None:
-      pass_q = jax.eval_shape(all_to_all.to_heads, pass_q)
+    if a2a is not None:
+      pass_q = jax.eval_shape(a2a.to_heads, pass_q)
 
     def one(i, carry):
       out_BTNH, lse_all = carry
       qs, ks = i * per * G, i * per
-      if all_to_all is None:
-        q, first = q_BTNH, qs
-      else:
-        q, first = all_to_all.to_heads(_heads(q_BTNH, qs, per * G)), None
-      state = parts.init(pass_q)
+      q, first = (q_BTNH, qs) if a2a is None else (a2a.to_heads(_heads(q_BTNH, qs, per * G)), None)
 
       def sub(s, state):
-        chunk = ring_chunk(k_BTKH, v_BTKH, ids_2BUT, s * C, C, ks, per)
-        return ring_forward(state, q, *chunk, ring_seg, ring_pos, first)
+        chunk = self.ring_chunk(k_BTKH, v_BTKH, ids_2BUT, s * C, C, ks, per)
+        return self.ring_forward(state, q, *chunk, ring_seg, ring_pos, first)
 
+      state = parts.init(pass_q)
       out, lse = parts.finish(sub(0, state) if subs == 1 else jax.lax.fori_loop(0, subs, sub, state), q_BTNH.dtype)
-      if all_to_all is not None:
-        out = all_to_all.to_tokens(out)
+      if a2a is not None:
+        out = a2a.to_tokens(out)
       return _put(out_BTNH, out, 0, qs), jax.lax.dynamic_update_index_in_dim(lse_all, lse, i, axis=0)
 
     B, T, N, _ = pass_q.shape
     carry = (jnp.zeros(q_BTNH.shape, q_BTNH.dtype), jnp.zeros((n, B, N, T), jnp.float32))   # out, every pass's lse
-    return jax.lax.fori_loop(0, passes(n), one, carry)
+    return jax.lax.fori_loop(0, self.passes(n), one, carry)
 
-  @jax.custom_vjp
-  def attend(q_BTNH, k_BTKH, v_BTKH, seg_BT, pos_BT):
-    return forward(q_BTNH, k_BTKH, v_BTKH, seg_BT, pos_BT)[0]
-
-  def attend_fwd(q_BTNH, k_BTKH, v_BTKH, seg_BT, pos_BT):
-    with jax.named_scope("ring_fwd"):
-      out_BTNH, lse = forward(q_BTNH, k_BTKH, v_BTKH, seg_BT, pos_BT)
-    return out_BTNH, (q_BTNH, k_BTKH, v_BTKH, seg_BT, pos_BT, out_BTNH, lse)
-
-  def attend_bwd(res, dout_BTNH):
-    q_BTNH, k_BTKH, v_BTKH, seg_BT, pos_BT, out_BTNH, lse_all = res
-    n, per, G, subs = plan(q_BTNH, k_BTKH)
+  def backward(self, q_BTNH, k_BTKH, v_BTKH, seg_BT, pos_BT, out_BTNH, lse_all, dout_BTNH):
+    """(dq, dk, dv) from the forward's residuals and the output's cotangent."""
+    a2a = self.all_to_all
+    n, per, G, subs = self.plan(q_BTNH, k_BTKH)
     C = k_BTKH.shape[1] // subs
-    ring_seg, ring_pos, ids_2BUT = group_ids(seg_BT, pos_BT)
-
+    ring_seg, ring_pos, ids_2BUT = self.group_ids(seg_BT, pos_BT)
     # rowsum(dO ∘ O) for all heads at once, so a pass needs no slice of the output.
-    delta_BNT = parts.delta(out_BTNH, dout_BTNH)
+    delta_BNT = self.parts.delta(out_BTNH, dout_BTNH)
 
     def one(i, grads):
       dq_full, dk_full, dv_full = grads
       qs, ks = i * per * G, i * per
-      if all_to_all is None:
+      if a2a is None:
         q, dout, delta, first = q_BTNH, dout_BTNH, delta_BNT, qs
       else:
         q, dout = _heads(q_BTNH, qs, per * G), _heads(dout_BTNH, qs, per * G)
         delta_BTN = jnp.swapaxes(jax.lax.dynamic_slice_in_dim(delta_BNT, qs, per * G, axis=1), 1, 2)
-        q, dout, delta = all_to_all.to_heads(q, dout, delta_BTN[..., None])
+        q, dout, delta = a2a.to_heads(q, dout, delta_BTN[..., None])
         delta, first = jnp.swapaxes(delta[..., 0], 1, 2), None
       B, N, T = lse_all[i].shape
 
       def sub(s, carry):
         dq, dk_full, dv_full = carry
-        chunk = ring_chunk(k_BTKH, v_BTKH, ids_2BUT, s * C, C, ks, per)
-        dq, dk, dv = ring_backward(dq, q, *chunk, ring_seg, ring_pos, lse_all[i], delta, dout, first)
-        if all_to_all is not None:
-          dk, dv = all_to_all.unreplicate(*all_to_all.to_tokens(dk, dv), per)
+        chunk = self.ring_chunk(k_BTKH, v_BTKH, ids_2BUT, s * C, C, ks, per)
+        dq, dk, dv = self.ring_backward(dq, q, *chunk, ring_seg, ring_pos, lse_all[i], delta, dout, first)
+        if a2a is not None:
+          dk, dv = a2a.unreplicate(*a2a.to_tokens(dk, dv), per)
         return dq, _put(dk_full, dk, s * C, ks), _put(dv_full, dv, s * C, ks)
 
       carry = (jnp.zeros((B, T, N, q_BTNH.shape[3]), jnp.float32), dk_full, dv_full)
       dq, dk_full, dv_full = sub(0, carry) if subs == 1 else jax.lax.fori_loop(0, subs, sub, carry)
-      if all_to_all is not None:
-        dq = all_to_all.to_tokens(dq)
+      if a2a is not None:
+        dq = a2a.to_tokens(dq)
       return _put(dq_full, dq, 0, qs), dk_full, dv_full
 
-    with jax.named_scope("ring_bwd"):
-      grads = (jnp.zeros_like(q_BTNH), jnp.zeros_like(k_BTKH), jnp.zeros_like(v_BTKH))
-      dq, dk, dv = jax.lax.fori_loop(0, passes(n), one, grads)
-    return dq, dk, dv, None, None
-
-  attend.defvjp(attend_fwd, attend_bwd)
-  return attend
+    grads = (jnp.zeros_like(q_BTNH), jnp.zeros_like(k_BTKH), jnp.zeros_like(v_BTKH))
+    return jax.lax.fori_loop(0, self.passes(n), one, grads)
 
 
 @register

@@ -106,19 +106,17 @@ def measure_all(config, cases, args) -> tuple[list[dict], str, str]:
 
 
 def estimate_all(config, cases, args, out: pathlib.Path) -> tuple[list[dict], str, str]:
-  from maxctx import compile as compile_lib
   from maxctx import mesh as mesh_lib
   from maxctx import topology as topology_lib
   from maxctx.bench import aot
   topo = topology_lib.resolve(args.topology)
-  options = compile_lib.CompileOptions(topology=args.topology, num_slices=args.num_slices)
   n = topo.devices * args.num_slices
   records = []
   for i, case in enumerate(cases, 1):
     rec = _base_record(case)
     if case.config is not None:
       mesh = mesh_lib.axis_sizes(case.config.mesh, n, args.num_slices)
-      rec.update(aot.record(case, options, mesh, out, [pathlib.Path(d) for d in args.reports], not args.no_compile))
+      rec.update(aot.record(case, mesh, out, [pathlib.Path(d) for d in args.reports], not args.no_compile))
     records.append(rec)
     if rec["status"] == "estimate" and "est_step_s" in rec:
       log.info("[%d/%d] %s %s: %s; est. step %.3g s (%s bound), est. MFU %.1f%% (%s)", i, len(cases), case.strategy,
@@ -140,6 +138,8 @@ def estimate_all(config, cases, args, out: pathlib.Path) -> tuple[list[dict], st
 
 def run(args: argparse.Namespace) -> int:
   config = config_lib.load(args.config, args.overrides)
+  if args.topology:  # every case is compiled for it (maxctx.compile reads the config's compile section)
+    config = config.replace(**{"compile.topology": args.topology, "compile.num_slices": args.num_slices})
   strategies = plan_lib.parse_strategies(args.strategies)
   lengths = plan_lib.lengths(args.lengths or (DEFAULT_TOPOLOGY_LENGTHS if args.topology else DEFAULT_LENGTHS))
   if args.steps < 1 or args.trace_steps < 1:

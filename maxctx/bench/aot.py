@@ -34,7 +34,7 @@ from maxctx.errors import MaxctxError
 
 log = logging.getLogger("maxctx.bench")
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 # Fields a maxctx.compile report records about the config; a report from --reports is used only if all agree.
 _MATCHED = ("topology", "num_slices", "strategy", "kernel", "seq_len", "batch_size", "mesh", "remat", "loss_chunk",
             "mlp_chunk", "block_q", "block_kv", "params")
@@ -62,7 +62,7 @@ def _expected(config: Config, topo: topology_lib.Topology, num_slices: int, mesh
 
 
 def find_report(directory: pathlib.Path, config: Config, topo: topology_lib.Topology, num_slices: int,
-                mesh: dict[str, int]) -> tuple[dict[str, Any], pathlib.Path] | None:
+                mesh: dict[str, int]) -> tuple[compile_lib.CompileReport, pathlib.Path] | None:
   """A compile report in `directory` whose recorded fields all match `config` on `topo`."""
   if config.attention.ulysses_degree is not None:
     return None  # reports do not record it, so a match could not be told from a mismatch
@@ -75,7 +75,7 @@ def find_report(directory: pathlib.Path, config: Config, topo: topology_lib.Topo
     # A report from before model.mlp_chunk existed was compiled without chunking.
     if isinstance(report, dict) and all(report.get(k, 0 if k == "mlp_chunk" else None) == v
                                         for k, v in want.items()):
-      return report, path
+      return compile_lib.CompileReport.from_json(report), path
   return None
 
 
@@ -95,16 +95,18 @@ def _inspect(compiled) -> dict[str, Any]:
   return {"collective_bytes": hlo_lib.collectives(text, hlo_lib.num_partitions(text, 1)).summary()}
 
 
-def report_for(case: Case, options: compile_lib.CompileOptions, mesh: dict[str, int], out_dir: pathlib.Path,
-               reports: list[pathlib.Path], compile_missing: bool) -> tuple[dict[str, Any] | None, str]:
-  """(the compile report of `case`, where it came from); (None, why) when there is none and none may be made."""
-  topo = topology_lib.resolve(options.topology)
-  key = config_key(case.config, topo.name, options.num_slices)
+def report_for(case: Case, mesh: dict[str, int], out_dir: pathlib.Path, reports: list[pathlib.Path],
+               compile_missing: bool) -> tuple[compile_lib.CompileReport | None, str]:
+  """(the compile report of `case` for its config's compile.topology, where it came from); (None, why) when there is
+  none and none may be made."""
+  topo = topology_lib.resolve(case.config.compile.topology)
+  num_slices = case.config.compile.num_slices
+  key = config_key(case.config, topo.name, num_slices)
   cache = out_dir / "compile-cache" / f"{case.name}-{topo.name}-{key}.json"
   if cache.exists():
-    return json.loads(cache.read_text()), f"cache {cache.name}"
+    return compile_lib.CompileReport.from_json(json.loads(cache.read_text())), f"cache {cache.name}"
   for directory in reports:
-    if found := find_report(directory, case.config, topo, options.num_slices, mesh):
+    if found := find_report(directory, case.config, topo, num_slices, mesh):
       return found[0], f"report {found[1]}"
   if mesh["context"] > 1 and (need := held_kv_bytes(case.config, mesh)) > topo.hbm_bytes:
     return None, (f"does not fit (from the shapes, not compiled): in each layer's backward "
@@ -114,40 +116,40 @@ def report_for(case: Case, options: compile_lib.CompileOptions, mesh: dict[str, 
   if not compile_missing:
     return None, "not compiled (no cached or matching report; run without --no-compile)"
   log.info("compiling %s for %s ...", case.name, topo.name)
-  report = compile_lib.compile_for(case.config, options, inspect=_inspect)
-  report["config_key"] = key
-  report["program_fields"] = program_fields(case.config)
+  report = compile_lib.compile_for(case.config, inspect=_inspect)
   cache.parent.mkdir(parents=True, exist_ok=True)
-  cache.write_text(json.dumps(report, indent=2))
-  return report, f"compiled in {report['compile_seconds']:.0f} s"
+  cache.write_text(json.dumps({**report.to_json(), "config_key": key, "program_fields": program_fields(case.config)},
+                              indent=2))
+  return report, f"compiled in {report.compile_seconds:.0f} s"
 
 
-def record(case: Case, options: compile_lib.CompileOptions, mesh: dict[str, int], out_dir: pathlib.Path,
-           reports: list[pathlib.Path], compile_missing: bool) -> dict[str, Any]:
+def record(case: Case, mesh: dict[str, int], out_dir: pathlib.Path, reports: list[pathlib.Path],
+           compile_missing: bool) -> dict[str, Any]:
   """The estimate record of one case: the compile report's memory and fit, the roofline, and where it came from."""
-  topo = topology_lib.resolve(options.topology)
+  topo = topology_lib.resolve(case.config.compile.topology)
   try:
-    report, source = report_for(case, options, mesh, out_dir, reports, compile_missing)
+    report, source = report_for(case, mesh, out_dir, reports, compile_missing)
   except MaxctxError as e:
     return {"status": "failed", "reason": str(e)}
   if report is None:
     return {"status": "does_not_fit" if source.startswith("does not fit") else "missing", "reason": source}
-  rec: dict[str, Any] = {"status": "estimate", "source": source, "mesh": report["mesh"], "devices": report["devices"],
-                         "device_kind": report["device_kind"], "tokens_per_device": report["tokens_per_device"],
-                         "flops_per_step": report["flops_per_step"], "fits": report["fits"],
-                         "over_bytes": report["over_bytes"], "hbm_per_device_bytes": report["hbm_per_device_bytes"],
-                         "memory_compiled": report["memory"], "collective_bytes": report.get("collective_bytes"),
-                         "compile_s": report.get("compile_seconds")}
-  if report["memory"] is None:
-    needed = report.get("required_bytes")
-    bound = "at least " if report.get("required_is_lower_bound") else ""
+  memory = report.to_json()["memory"]
+  rec: dict[str, Any] = {"status": "estimate", "source": source, "mesh": report.mesh, "devices": report.devices,
+                         "device_kind": report.device_kind, "tokens_per_device": report.tokens_per_device,
+                         "flops_per_step": report.flops_per_step, "fits": report.fits,
+                         "over_bytes": report.over_bytes, "hbm_per_device_bytes": report.hbm_per_device_bytes,
+                         "memory_compiled": memory, "collective_bytes": report.inspected.get("collective_bytes"),
+                         "compile_s": report.compile_seconds}
+  if report.memory is None:
+    needed = report.required_bytes
+    bound = "at least " if report.required_is_lower_bound else ""
     rec["reason"] = (f"does not fit: the compiler ran out of HBM" + (
         f", needing {bound}{needed / topology_lib.GIB:.1f} GiB of {topo.hbm_bytes / topology_lib.GIB:.1f} GiB"
-        if needed else "") + f" ({report.get('error', '')[:160]})")
+        if needed else "") + f" ({(report.error or '')[:160]})")
     return rec
-  if not report["fits"]:
-    rec["reason"] = (f"does not fit: needs {report['memory']['total'] / topology_lib.GIB:.1f} GiB per device of "
-                     f"{topo.hbm_bytes / topology_lib.GIB:.1f} GiB HBM ({report['over_bytes'] / topology_lib.GIB:.1f} "
+  if not report.fits:
+    rec["reason"] = (f"does not fit: needs {report.memory.total / topology_lib.GIB:.1f} GiB per device of "
+                     f"{topo.hbm_bytes / topology_lib.GIB:.1f} GiB HBM ({report.over_bytes / topology_lib.GIB:.1f} "
                      "GiB over)")
   rec.update(roofline.estimate(report, topo))
   if rec.get("collective_bytes") is None:

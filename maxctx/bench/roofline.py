@@ -27,6 +27,7 @@ from typing import Any
 
 from maxctx import chips
 from maxctx import topology as topology_lib
+from maxctx.compile import CompileReport
 from maxctx.errors import ConfigError
 
 GB = 1e9
@@ -61,19 +62,19 @@ def table() -> str:
   return "\n".join(lines)
 
 
-def estimate(report: dict[str, Any], topo: topology_lib.Topology) -> dict[str, Any]:
+def estimate(report: CompileReport, topo: topology_lib.Topology) -> dict[str, Any]:
   """The roofline estimate of one compiled step (fields prefixed `est_`); empty parts stay None."""
   chip = chip_for(topo)
   per_chip = topo.generation.devices_per_chip
   peak = chip.bf16_tflops * 1e12 / per_chip
-  remat = 4 / 3 if report.get("remat") in ("full", "full_offload") else 1.0
-  compute_s = report["flops_per_device"] * remat / peak
+  remat = 4 / 3 if report.remat in ("full", "full_offload") else 1.0
+  compute_s = report.flops_per_device * remat / peak
   out: dict[str, Any] = {"est_compute_s": compute_s, "est_memory_s": None, "est_network_s": None,
                          "est_bytes_per_link": None, "est_peak_tflops_per_device": peak / 1e12}
-  mem = report.get("memory")
+  mem = report.memory
   if mem:
-    out["est_memory_s"] = (mem["argument"] + mem["output"] + 2 * mem["temp"]) / (chip.hbm_gb_s * GB / per_chip)
-  coll = report.get("collective_bytes")
+    out["est_memory_s"] = (mem.argument + mem.output + 2 * mem.temp) / (chip.hbm_gb_s * GB / per_chip)
+  coll = report.inspected.get("collective_bytes")
   if coll:
     sent = {}
     for scope in ("bytes_attention", "bytes_other"):
@@ -89,15 +90,15 @@ def estimate(report: dict[str, Any], topo: topology_lib.Topology) -> dict[str, A
   step, out["est_bound"] = max(parts)
   out["est_step_s"] = step
   out["est_step_s_no_overlap"] = sum(v for v, _ in parts)
-  out["est_mfu"] = report["flops_per_step"] / (step * report["devices"] * peak)
-  out["est_tokens_per_s"] = report["seq_len"] * report["batch_size"] / step
+  out["est_mfu"] = report.flops_per_step / (step * report.devices * peak)
+  out["est_tokens_per_s"] = report.seq_len * report.batch_size / step
   out["est_comm_share"] = None if out["est_network_s"] is None else out["est_network_s"] / step
-  efficiency = KERNEL_EFFICIENCY.get(report.get("kernel"))
+  efficiency = KERNEL_EFFICIENCY.get(report.kernel)
   out["est_kernel_efficiency"] = efficiency
   out["est_step_s_range"] = out["est_mfu_range"] = None
   if efficiency is not None:
     # Fast end first: compute at the high share of peak, then the low; the other parts are unchanged.
     steps = [max(compute_s / e, *(v for v, name in parts if name != "compute")) for e in sorted(efficiency)[::-1]]
     out["est_step_s_range"] = tuple(steps)
-    out["est_mfu_range"] = tuple(report["flops_per_step"] / (t * report["devices"] * peak) for t in steps)
+    out["est_mfu_range"] = tuple(report.flops_per_step / (t * report.devices * peak) for t in steps)
   return out

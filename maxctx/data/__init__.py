@@ -22,7 +22,6 @@ from __future__ import annotations
 import atexit
 import functools
 import logging
-import math
 from typing import Iterator, Sequence
 
 import jax
@@ -33,11 +32,16 @@ from maxctx import sharding
 from maxctx.config import Config
 from maxctx.data import dataset
 from maxctx.data.packing import FIELDS
-from maxctx.errors import CheckpointError, ConfigError
+from maxctx.errors import CheckpointError
 
 log = logging.getLogger("maxctx.data")
 
 STATE_VERSION = 1
+# The keys that decide the stream of rows (a resumed run must share them: maxctx.resume_match). Not the mesh: the
+# layout is applied to each batch as it is made, and rows do not depend on which process makes them.
+STREAM_KEYS = ("data.source", "data.path", "data.seq_len", "data.batch_size", "data.tokenizer", "data.text_field",
+               "data.text_separator", "data.packing", "data.long_documents", "data.shuffle", "data.num_workers",
+               "run.seed")
 
 
 def local_rows(batch_sharding: NamedSharding, shape: tuple[int, int]) -> list[int]:
@@ -61,32 +65,11 @@ def to_global(local: dict[str, np.ndarray], rows: Sequence[int], batch_sharding:
           for k, v in local.items()}
 
 
-def validate(config: Config, mesh: Mesh) -> None:
-  """Shape errors a user can cause, before any file is read or anything compiles."""
-  d = config.data
-  batch_ways = math.prod(mesh.shape[a] for a in sharding.BATCH_AXES)
-  context = mesh.shape[sharding.SEQ_AXIS]
-  if d.seq_len < 1 or d.batch_size < 1:
-    raise ConfigError(f"data.seq_len {d.seq_len} and data.batch_size {d.batch_size} must both be at least 1.")
-  if d.batch_size % batch_ways:
-    raise ConfigError(f"data.batch_size {d.batch_size} is not divisible by the {batch_ways} batch shards "
-                      f"({' × '.join(sharding.BATCH_AXES)} of the mesh); make it a multiple of {batch_ways}.")
-  chunks = 2 * context if config.attention.load_balance else context
-  if d.seq_len % chunks:
-    why = "2 × context (attention.load_balance cuts the sequence into 2 chunks per device)" if \
-        config.attention.load_balance else "the context axis"
-    raise ConfigError(f"data.seq_len {d.seq_len} is not divisible by {chunks}, {why}; make it a multiple of {chunks}.")
-  if d.num_workers < 0:
-    raise ConfigError(f"data.num_workers is {d.num_workers}; use 0 (read in the main process) or more.")
-  if d.prefetch < 0:
-    raise ConfigError(f"data.prefetch is {d.prefetch}; use 0 (make each batch when asked) or more.")
-
-
 class Pipeline(Iterator[dict[str, jax.Array]]):
   """Iterates global batches; `state()` / `restore(state)` make resuming exact."""
 
   def __init__(self, config: Config, mesh: Mesh):
-    validate(config, mesh)
+    """`config` as maxctx.trainer.validate passed it for this mesh."""
     d = config.data
     self._config, self._mesh = config, mesh
     self._shape = (d.batch_size, d.seq_len)
@@ -130,12 +113,9 @@ class Pipeline(Iterator[dict[str, jax.Array]]):
     self._iter.close()
 
   def _fingerprint(self) -> dict:
-    # What decides the stream of rows. Not the mesh: the layout is applied to each batch as it is made, and rows do
-    # not depend on which process makes them.
-    d = self._config.data
-    keys = ("source", "path", "seq_len", "batch_size", "tokenizer", "packing", "long_documents", "shuffle",
-            "num_workers")
-    return {**{k: getattr(d, k) for k in keys}, "seed": self._config.run.seed}
+    """STREAM_KEYS by their last name (the form saved states keep)."""
+    tree = self._config.to_dict()
+    return {key.rsplit(".", 1)[1]: tree[key.split(".")[0]][key.rsplit(".", 1)[1]] for key in STREAM_KEYS}
 
   def state(self) -> dict:
     it = self._iter.get_state()
@@ -152,7 +132,8 @@ class Pipeline(Iterator[dict[str, jax.Array]]):
                             f"{STATE_VERSION}; resume with the maxctx that saved it or set checkpoint.resume=never.")
     saved, now = state["config"], self._fingerprint()
     for k in now:
-      if saved.get(k) != now[k]:
+      # A key an older state did not keep was checked against the checkpoint's config already (resume_match).
+      if k in saved and saved[k] != now[k]:
         raise CheckpointError(f"the data iterator state was saved with {k}={saved.get(k)!r} but this run has "
                               f"{now[k]!r}; resume with the same data settings or set checkpoint.resume=never.")
     it = state["iterator"]

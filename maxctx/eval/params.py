@@ -8,36 +8,21 @@ import logging
 import pathlib
 from typing import Any
 
-import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh
 
-from maxctx import checkpoint, sharding
+from maxctx import checkpoint, sharding, trainer
 from maxctx.config import Config
 from maxctx.model import Transformer
 
 log = logging.getLogger("maxctx.eval")
 
 
-def abstract(model: Transformer, mesh: Mesh, seq_len: int) -> tuple[Any, Any]:
-  """(ShapeDtypeStructs with shardings, the init function) of the model's parameters on `mesh`."""
-  def init(rng):
-    # Parameter shapes do not depend on the batch or length: one row per batch shard keeps shard_map's shapes whole.
-    tokens = jnp.zeros((sharding.shards("batch"), seq_len), jnp.int32)
-    return model.init(rng, tokens, tokens, tokens)["params"]
-
-  boxed = jax.eval_shape(init, jax.random.key(0))
-  shardings = sharding.tree_shardings(mesh, boxed)
-  shapes = jax.tree.map(lambda b, s: jax.ShapeDtypeStruct(b.shape, b.dtype, sharding=s), nn.unbox(boxed), shardings)
-  return shapes, jax.jit(lambda rng: nn.unbox(init(rng)), out_shardings=shardings)
-
-
 def load(config: Config, model: Transformer, mesh: Mesh) -> Any:
   """The parameters of checkpoint.load_params, or (with a warning) random ones from run.seed."""
   # Any length the context axis splits (twice, for zigzag) gives the same parameters.
-  shapes, init = abstract(model, mesh, 2 * mesh.shape[sharding.SEQ_AXIS])
+  shapes, init = trainer.param_shapes(model, mesh, 2 * mesh.shape[sharding.SEQ_AXIS])
   path_text = config.checkpoint.load_params
   if not path_text:
     log.warning("eval: checkpoint.load_params is empty, so these are scores of randomly initialised parameters; "

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from maxctx import model as model_lib
 from maxctx import sharding
 from maxctx.attention import layout
 from maxctx.config import Config
@@ -82,11 +83,6 @@ def make_batch(examples: Sequence[Example], seq_len: int, context: int, load_bal
   return Batch(tokens, segment_ids, positions, index, answer, mask)
 
 
-def row_quantum(context: int, load_balance: bool) -> int:
-  """Sequence lengths must be multiples of this: the context axis cuts a row into equal parts (2 per device zigzag)."""
-  return 2 * context if load_balance else context
-
-
 class Scorer:
   """Scores examples with the run's model on the run's mesh; one compilation per (rows, sequence length).
 
@@ -111,29 +107,22 @@ class Scorer:
     self._step = jax.jit(self._scores)
 
   def _answer_logits(self, params, tokens_BT, segment_ids_BT, positions_BT, index_BA):
-    # The targets only satisfy the signature: the loss they feed is unused, and XLA removes it.
-    _, state = self.model.apply({"params": params}, tokens_BT, segment_ids_BT, positions_BT, tokens_BT,
-                                capture_intermediates=lambda m, _: m.name == "final_norm", mutable=["intermediates"])
-    x_BTD = state["intermediates"]["final_norm"]["__call__"][0]
+    x_BTD = self.model.apply({"params": params}, tokens_BT, segment_ids_BT, positions_BT)
     # A one-hot contraction instead of a gather: with T sharded over the context axis, each device sums its own
     # tokens and one all-reduce of [B, A, D] finishes it; a gather along a sharded axis would all-gather [B, T, D].
     pick_BAT = jax.nn.one_hot(index_BA, x_BTD.shape[1], dtype=x_BTD.dtype)
     pick_BAT = sharding.constrain(pick_BAT, ("batch", None, "seq"))
     x_BAD = jnp.einsum("bat,btd->bad", pick_BAT, x_BTD)
-    w_DV = params["lm_head"].astype(x_BAD.dtype)
-    return jnp.einsum("bad,dv->bav", x_BAD, w_DV, preferred_element_type=jnp.float32)
+    return model_lib.logits(params, x_BAD)
 
   def _scores(self, params, tokens_BT, segment_ids_BT, positions_BT, index_BA, answer_BA):
     return token_scores(self._forward(params, tokens_BT, segment_ids_BT, positions_BT, index_BA), answer_BA)
 
   def seq_len_for(self, n_tokens: int, exact: bool) -> int:
     """The row length for an example of n_tokens: itself when `exact` (generated tasks), else rounded up."""
-    q = row_quantum(self.context, self.load_balance)
+    q = layout.row_quantum(self.context, self.load_balance)
     if exact:
-      if n_tokens % q:
-        why = "2 × the context degree (zigzag load balancing)" if self.load_balance else "the context degree"
-        raise ConfigError(f"eval length {n_tokens} is not divisible by {q}, {why}; choose lengths that are "
-                          f"multiples of {q}.")
+      layout.check_length(n_tokens, self.context, self.load_balance, "eval length")
       return n_tokens
     # Records of other lengths share compilations: the smallest q·2^k that holds them.
     return q * 2 ** max(0, math.ceil(math.log2(max(n_tokens, 1) / q)))

@@ -142,12 +142,13 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-  """tokens → final hidden states; with targets, the summed token loss and token count instead of logits."""
+  """tokens → final hidden states [B, T, D] (after the final norm). The output head `lm_head` is a parameter of this
+  module, applied outside it: `token_loss` in training, `logits` for whole-vocabulary scores."""
   cfg: ModelConfig
   attention_fn: Callable | None = None
 
   @nn.compact
-  def __call__(self, tokens_BT, segment_ids_BT, positions_BT, targets_BT=None):
+  def __call__(self, tokens_BT, segment_ids_BT, positions_BT):
     c = self.cfg
     attention_fn = self.attention_fn or reference_attention
     embedding = self.param("embedding",
@@ -173,16 +174,29 @@ class Transformer(nn.Module):
       for i in range(c.n_layers):
         x_BTD, _ = block(c, attention_fn, name=f"layers_{i}")(x_BTD, cos_BTF, sin_BTF, segment_ids_BT, positions_BT)
 
-    x_BTD = RMSNorm(c, name="final_norm")(x_BTD)
-    # The head stays in its stored dtype (gathered once): the chunked loss casts per step and sums its gradient in
-    # float32 over the steps.
-    w_DV = self.param("lm_head", nn.with_logical_partitioning(nn.initializers.normal(c.init_std), ("embed", "vocab")),
-                      (c.d_model, c.vocab_size), _dtype(c.param_dtype))
-    w_DV = constrain(w_DV, ("act_embed", "act_vocab"))
-    if targets_BT is None:
-      with jax.named_scope("logits"):
-        return jnp.einsum("btd,dv->btv", x_BTD, w_DV.astype(x_BTD.dtype), preferred_element_type=jnp.float32)
-    with jax.named_scope("loss"):
-      chunk = loss_lib.global_chunk(c.loss_chunk, tokens_BT.shape[1])
-      weights_BT = (segment_ids_BT != 0).astype(jnp.float32)
-      return loss_lib.chunked_cross_entropy(x_BTD, w_DV, targets_BT, weights_BT, chunk)
+    # Declared here so that `init` makes it; used by `head` below.
+    self.param("lm_head", nn.with_logical_partitioning(nn.initializers.normal(c.init_std), ("embed", "vocab")),
+               (c.d_model, c.vocab_size), _dtype(c.param_dtype))
+    return RMSNorm(c, name="final_norm")(x_BTD)
+
+
+def head(params) -> jax.Array:
+  """The output projection [D, V], gathered for use in its stored dtype: the chunked loss casts it per step and sums
+  its gradient in float32 over the steps."""
+  return constrain(params["lm_head"], ("act_embed", "act_vocab"))
+
+
+def logits(params, x_BTD) -> jax.Array:
+  """Float32 scores over the whole vocabulary for every token: [B, T, V] (for short sequences; see token_loss)."""
+  with jax.named_scope("logits"):
+    w_DV = head(params)
+    return jnp.einsum("btd,dv->btv", x_BTD, w_DV.astype(x_BTD.dtype), preferred_element_type=jnp.float32)
+
+
+def token_loss(cfg: ModelConfig, params, x_BTD, targets_BT, segment_ids_BT) -> tuple[jax.Array, jax.Array]:
+  """(summed cross-entropy of the tokens that belong to a document, their count), float32, from the final hidden
+  states; the [T, V] logits are never all held (maxctx.model.loss)."""
+  with jax.named_scope("loss"):
+    chunk = loss_lib.global_chunk(cfg.loss_chunk, x_BTD.shape[1])
+    weights_BT = (segment_ids_BT != 0).astype(jnp.float32)
+    return loss_lib.chunked_cross_entropy(x_BTD, head(params), targets_BT, weights_BT, chunk)

@@ -1,0 +1,77 @@
+"""Typed values for the config: a YAML value checked against (and converted to) a schema field's type."""
+
+from __future__ import annotations
+
+import difflib
+import math
+import types
+import typing
+from typing import Any, Literal
+
+from maxctx.errors import ConfigError
+
+
+def _type_name(tp: Any) -> str:
+  if typing.get_origin(tp) is Literal:
+    return "one of " + ", ".join(repr(c) for c in typing.get_args(tp))
+  if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+    return " or ".join(_type_name(a) for a in typing.get_args(tp))
+  if tp is type(None):
+    return "null"
+  return tp.__name__
+
+
+def coerce(value: Any, tp: Any, key: str) -> Any:
+  """`value` as type `tp` (Literal, union, bool, int, float, str), or a ConfigError naming `key`."""
+  origin = typing.get_origin(tp)
+  if isinstance(tp, types.UnionType) or origin is typing.Union:
+    errors = []
+    for arm in typing.get_args(tp):
+      try:
+        return coerce(value, arm, key)
+      except ConfigError as e:
+        errors.append(e)
+    raise ConfigError(f"config key {key} expects {_type_name(tp)}, got {value!r} ({type(value).__name__}).")
+  if origin is Literal:
+    choices = typing.get_args(tp)
+    if value not in choices:
+      close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+      hint = f" (did you mean {close[0]!r}?)" if close else ""
+      raise ConfigError(f"config key {key} must be one of {', '.join(map(repr, choices))}, got {value!r}{hint}.")
+    return value
+  if tp is type(None):
+    if value is None:
+      return None
+  elif tp is bool:
+    if isinstance(value, bool):
+      return value
+  elif tp is int:
+    if isinstance(value, int) and not isinstance(value, bool):
+      return value
+    if isinstance(value, str):
+      try:
+        return int(value)
+      except ValueError:
+        pass
+  elif tp is float:
+    number = None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+      number = float(value)
+    elif isinstance(value, str):  # PyYAML reads 3e-4 (no dot) as a string.
+      try:
+        number = float(value)
+      except ValueError:
+        pass
+    if number is not None:
+      # nan or inf would compile and run, and fail steps later with a message about something else.
+      if not math.isfinite(number):
+        raise ConfigError(f"config key {key} is {value!r}; it must be a finite number.")
+      return number
+  elif tp is str:
+    if isinstance(value, str):
+      return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+      return str(value)
+  else:
+    raise TypeError(f"unsupported schema type {tp!r} for {key}")
+  raise ConfigError(f"config key {key} expects {_type_name(tp)}, got {value!r} ({type(value).__name__}).")
