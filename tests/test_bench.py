@@ -158,8 +158,14 @@ def test_topology_compiles_estimates_and_reuses_reports(tmp_path):
 
 
 def test_loss_spread_only_compares_runs_that_ran():
-  records = [{"strategy": "a", "seq_len": 8, "status": "ok", "loss": 1.0},
-             {"strategy": "b", "seq_len": 8, "status": "ok", "loss": 1.00002},
-             {"strategy": "c", "seq_len": 8, "status": "refused", "reason": "x"},
-             {"strategy": "a", "seq_len": 16, "status": "ok", "loss": 2.0}]
+  def rec(strategy, n, **fields):
+    return report.Record(strategy, n, str(n)).set(**fields)
+  records = [rec("a", 8, status="ok", loss=1.0), rec("b", 8, status="ok", loss=1.00002),
+             rec("c", 8, status="refused", reason="x"), rec("a", 16, status="ok", loss=2.0)]
   assert report.loss_spread(records) == {8: pytest.approx(2e-5)}
+
+
+def test_a_record_refuses_a_field_it_does_not_have():
+  # measure.run and aot.record fill records by name; a misspelt name must fail, not vanish into the JSON.
+  with pytest.raises(TypeError, match="no field 'tokens_per_sec'"):
+    report.Record("ring", 8, "8").set(tokens_per_sec=1.0)

@@ -59,10 +59,10 @@ def _setup_logging() -> None:
   logging.getLogger("maxctx.data").setLevel(logging.WARNING)
 
 
-def _base_record(case: plan_lib.Case) -> dict:
-  rec = {"strategy": case.strategy, "seq_len": case.seq_len, "length": plan_lib.tokens(case.seq_len)}
+def _base_record(case: plan_lib.Case) -> report.Record:
+  rec = report.Record(strategy=case.strategy, seq_len=case.seq_len, length=plan_lib.tokens(case.seq_len))
   if case.refused:
-    rec.update(status="refused", reason=case.refused)
+    rec.set(status="refused", reason=case.refused)
   return rec
 
 
@@ -82,19 +82,19 @@ def measure_all(config, cases, args) -> tuple[list[dict], str, str]:
     rec = _base_record(case)
     if case.config is not None:
       try:
-        rec.update(status="ok", **measure.run(case, steps))
+        rec.set(status="ok", **measure.run(case, steps))
       except ConfigError as e:
-        rec.update(status="refused", reason=str(e))
+        rec.set(status="refused", reason=str(e))
       except MaxctxError as e:  # e.g. a DataError from the pipeline
-        rec.update(status="failed", reason=str(e))
+        rec.set(status="failed", reason=str(e))
       except jax.errors.JaxRuntimeError as e:  # e.g. out of memory
-        rec.update(status="failed", reason=str(e).splitlines()[0][:300])
+        rec.set(status="failed", reason=str(e).splitlines()[0][:300])
     records.append(rec)
-    if rec["status"] == "ok":
+    if rec.status == "ok":
       log.info("[%d/%d] %s %s: %s tokens/s, step %.3f s, CP comm %.1f%%, loss %.6f", i, len(cases), case.strategy,
-               rec["length"], f"{rec['tokens_per_s']:,.0f}", rec["step_time_s"], 100 * rec["comm_share"], rec["loss"])
+               rec.length, f"{rec.tokens_per_s:,.0f}", rec.step_time_s, 100 * rec.comm_share, rec.loss)
     else:
-      log.info("[%d/%d] %s %s: %s: %s", i, len(cases), case.strategy, rec["length"], rec["status"], rec["reason"])
+      log.info("[%d/%d] %s %s: %s: %s", i, len(cases), case.strategy, rec.length, rec.status, rec.reason)
   devices = jax.devices()
   where = f"{config.model.preset or 'model'}, {len(devices)} {devices[0].platform.upper()} devices"
   setup = (f"Measured on {len(devices)} {devices[0].device_kind} devices ({jax.default_backend()}); "
@@ -116,19 +116,19 @@ def estimate_all(config, cases, args, out: pathlib.Path) -> tuple[list[dict], st
     rec = _base_record(case)
     if case.config is not None:
       mesh = mesh_lib.axis_sizes(case.config.mesh, n, args.num_slices)
-      rec.update(aot.record(case, mesh, out, [pathlib.Path(d) for d in args.reports], not args.no_compile))
+      rec.set(**aot.record(case, mesh, out, [pathlib.Path(d) for d in args.reports], not args.no_compile))
     records.append(rec)
-    if rec["status"] == "estimate" and "est_step_s" in rec:
+    if rec.status == "estimate" and rec.est_step_s is not None:
       log.info("[%d/%d] %s %s: %s; est. step %.3g s (%s bound), est. MFU %.1f%% (%s)", i, len(cases), case.strategy,
-               rec["length"], "fits" if rec["fits"] else rec["reason"], rec["est_step_s"], rec["est_bound"],
-               100 * rec["est_mfu"], rec["source"])
-      if rec.get("est_step_s_range"):
+               rec.length, "fits" if rec.fits else rec.reason, rec.est_step_s, rec.est_bound,
+               100 * rec.est_mfu, rec.source)
+      if rec.est_step_s_range:
         log.info("  with %s's measured range of kernel efficiency %s: est. step %.3g-%.3g s, est. MFU %.1f-%.1f%%",
-                 rec.get("kernel"), rec["est_kernel_efficiency"], *rec["est_step_s_range"],
-                 *(100 * m for m in rec["est_mfu_range"]))
+                 rec.kernel, rec.est_kernel_efficiency, *rec.est_step_s_range,
+                 *(100 * m for m in rec.est_mfu_range))
     else:
-      log.info("[%d/%d] %s %s: %s: %s", i, len(cases), case.strategy, rec["length"], rec["status"],
-               rec.get("reason", ""))
+      log.info("[%d/%d] %s %s: %s: %s", i, len(cases), case.strategy, rec.length, rec.status,
+               rec.reason or "")
   slices = f" × {args.num_slices} slices" if args.num_slices > 1 else ""
   where = f"{config.model.preset or 'model'} on {topo.name}{slices} ({n} devices), estimates"
   setup = (f"Compiled ahead of time for {topo.name}{slices} = {topo.chips * args.num_slices} chips, {n} devices "

@@ -139,11 +139,11 @@ def record(case: Case, mesh: dict[str, int], out_dir: pathlib.Path, reports: lis
                          "flops_per_step": report.flops_per_step, "fits": report.fits,
                          "over_bytes": report.over_bytes, "hbm_per_device_bytes": report.hbm_per_device_bytes,
                          "memory_compiled": memory, "collective_bytes": report.inspected.get("collective_bytes"),
-                         "compile_s": report.compile_seconds}
+                         "compile_s": report.compile_seconds, "kernel": report.kernel}
   if report.memory is None:
     needed = report.required_bytes
     bound = "at least " if report.required_is_lower_bound else ""
-    rec["reason"] = (f"does not fit: the compiler ran out of HBM" + (
+    rec["reason"] = ("does not fit: the compiler ran out of HBM" + (
         f", needing {bound}{needed / topology_lib.GIB:.1f} GiB of {topo.hbm_bytes / topology_lib.GIB:.1f} GiB"
         if needed else "") + f" ({(report.error or '')[:160]})")
     return rec

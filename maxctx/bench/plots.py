@@ -10,45 +10,45 @@ import textwrap
 from typing import Sequence
 
 from maxctx.bench.plan import tokens
-from maxctx.bench.report import GIB, MIB, all_bytes
+from maxctx.bench.report import GIB, MIB, Record, all_bytes
 
 _MARKERS = ("o", "s", "^", "D", "v", "P", "X")
 _LINES = ("-", "--", ":", "-.")
 
 
-def _styles(records: Sequence[dict], plt) -> dict[str, dict]:
+def _styles(records: Sequence[Record], plt) -> dict[str, dict]:
   """The same color, marker and dash for a strategy in every plot, so lines that coincide stay visible."""
   colors = plt.get_cmap("tab10")
-  names = dict.fromkeys(r["strategy"] for r in records)
+  names = dict.fromkeys(r.strategy for r in records)
   return {s: {"color": colors(i), "marker": _MARKERS[i % len(_MARKERS)], "linestyle": _LINES[i % len(_LINES)]}
           for i, s in enumerate(names)}
 
 
-def _runs(r: dict) -> bool:
+def _runs(r: Record) -> bool:
   """Whether `r` ran, or would: measured, or estimated and fitting (a step that does not fit has no throughput)."""
-  return r["status"] == "ok" or (r["status"] == "estimate" and r.get("fits", False))
+  return r.status == "ok" or (r.status == "estimate" and bool(r.fits))
 
 
-def _series(records: Sequence[dict], value, keep=_runs) -> dict[str, tuple[list[int], list[float]]]:
+def _series(records: Sequence[Record], value, keep=_runs) -> dict[str, tuple[list[int], list[float]]]:
   out: dict[str, tuple[list[int], list[float]]] = {}
   for r in records:
     v = value(r) if keep(r) else None
     if v is not None:
-      xs, ys = out.setdefault(r["strategy"], ([], []))
-      xs.append(r["seq_len"])
+      xs, ys = out.setdefault(r.strategy, ([], []))
+      xs.append(r.seq_len)
       ys.append(v)
   return out
 
 
-def _missing(records: Sequence[dict], drawn: dict[str, tuple[list[int], list]]) -> str:
+def _missing(records: Sequence[Record], drawn: dict[str, tuple[list[int], list]]) -> str:
   """`none 1m, 4m: refused; all_gather 4m: does not fit` for the cells without a drawn point."""
   lost: dict[tuple[str, str], list[str]] = {}
   for r in records:
-    if r["seq_len"] not in drawn.get(r["strategy"], ([], []))[0]:
-      why = r["status"].replace("_", " ")
-      if r["status"] == "estimate":
-        why = "no collective bytes in its report" if r.get("fits") else "does not fit"
-      lost.setdefault((r["strategy"], why), []).append(tokens(r["seq_len"]))
+    if r.seq_len not in drawn.get(r.strategy, ([], []))[0]:
+      why = r.status.replace("_", " ")
+      if r.status == "estimate":
+        why = "no collective bytes in its report" if r.fits else "does not fit"
+      lost.setdefault((r.strategy, why), []).append(tokens(r.seq_len))
   return "; ".join(f"{s} {', '.join(lengths)}: {why}" for (s, why), lengths in lost.items())
 
 
@@ -80,7 +80,7 @@ def _lines(ax, series, styles, ylabel: str, title: str) -> None:
     ax.text(0.5, 0.5, "no run completed", transform=ax.transAxes, ha="center")
 
 
-def plots(records: Sequence[dict], out: pathlib.Path, where: str, estimate: bool) -> list[pathlib.Path]:
+def plots(records: Sequence[Record], out: pathlib.Path, where: str, estimate: bool) -> list[pathlib.Path]:
   """Writes tokens_per_s.png, memory.png and comm_share.png to `out`; `where` (model, devices) goes in every title."""
   import matplotlib
   matplotlib.use("Agg")
@@ -91,7 +91,7 @@ def plots(records: Sequence[dict], out: pathlib.Path, where: str, estimate: bool
   paths = []
 
   fig, ax = plt.subplots(figsize=(8, 5))
-  series = _series(records, lambda r: r.get("est_tokens_per_s" if estimate else "tokens_per_s"))
+  series = _series(records, lambda r: r.est_tokens_per_s if estimate else r.tokens_per_s)
   how = "roofline: tokens per step / est. step time" if estimate else "tokens per step / median step time"
   _lines(ax, series, styles, f"{'estimated ' if estimate else ''}throughput (tokens/s)",
          f"{'Estimated training' if estimate else 'Training'} throughput vs length ({how})\n{where}")
@@ -104,22 +104,22 @@ def plots(records: Sequence[dict], out: pathlib.Path, where: str, estimate: bool
   paths.append(_finish(fig, ax, records, series, out / "tokens_per_s.png", plt))
 
   fig, ax = plt.subplots(figsize=(8, 5))
-  ok = [r for r in records if r["status"] == "ok"]
-  if not estimate and ok and all(r.get("peak_bytes_runtime") is not None for r in ok):
-    series, what = _series(records, lambda r: r["peak_bytes_runtime"]), "runtime peak, device.memory_stats()"
+  ok = [r for r in records if r.status == "ok"]
+  if not estimate and ok and all(r.peak_bytes_runtime is not None for r in ok):
+    series, what = _series(records, lambda r: r.peak_bytes_runtime), "runtime peak, device.memory_stats()"
   else:
-    series = _series(records, lambda r: (r.get("memory_compiled") or {}).get("total"),
-                     keep=lambda r: r["status"] in ("ok", "estimate"))
+    series = _series(records, lambda r: (r.memory_compiled or {}).get("total"),
+                     keep=lambda r: r.status in ("ok", "estimate"))
     what = ("compiled for the TPU, memory_analysis() total" if estimate else
             "compiled memory_analysis() total; XLA:CPU keeps no runtime peak")
-  hbm = next((r["hbm_per_device_bytes"] for r in records if r.get("hbm_per_device_bytes")), None)
+  hbm = next((r.hbm_per_device_bytes for r in records if r.hbm_per_device_bytes), None)
   top = max([y for _, ys in series.values() for y in ys] + [hbm or 0, 1])
   unit, size = ("GiB", GIB) if top >= 4 * GIB else ("MiB", MIB)
   _lines(ax, {s: (xs, [y / size for y in ys]) for s, (xs, ys) in series.items()}, styles,
          f"memory per device ({unit}, log scale)", f"Memory per device vs length ({what})\n{where}")
   for r in records:
-    if r["status"] == "estimate" and not r.get("fits", True) and r.get("memory_compiled"):
-      ax.annotate("does not fit", (r["seq_len"], r["memory_compiled"]["total"] / size), textcoords="offset points",
+    if r.status == "estimate" and r.fits is False and r.memory_compiled:
+      ax.annotate("does not fit", (r.seq_len, r.memory_compiled["total"] / size), textcoords="offset points",
                   xytext=(-10, 8), ha="right", fontsize=8, color="red")
   if hbm:
     ax.axhline(hbm / size, color="red", linestyle="--", linewidth=1, label="HBM per device")
@@ -140,8 +140,8 @@ def plots(records: Sequence[dict], out: pathlib.Path, where: str, estimate: bool
 def _shares(r: dict, estimate: bool) -> dict[str, float]:
   """Kind → share of step time: measured (attention scope), or the estimated ICI share split by bytes per kind."""
   if not estimate:
-    return r.get("comm_share_by_kind") or {}
-  sent, share = all_bytes(r.get("collective_bytes")), r.get("est_comm_share")
+    return r.comm_share_by_kind or {}
+  sent, share = all_bytes(r.collective_bytes), r.est_comm_share
   total = sum(sent.values())
   return {k: share * v / total for k, v in sent.items()} if total and share else {}
 
@@ -149,9 +149,9 @@ def _shares(r: dict, estimate: bool) -> dict[str, float]:
 def _comm(records, path: pathlib.Path, where: str, estimate: bool, plt) -> pathlib.Path:
   """Grouped bars: one group per strategy, one bar per length, stacked by collective kind, total printed on top."""
   from matplotlib.patches import Patch
-  ran = [r for r in records if _runs(r) and (not estimate or r.get("est_comm_share") is not None)]
-  strategies = list(dict.fromkeys(r["strategy"] for r in ran))
-  lengths = sorted({r["seq_len"] for r in ran})
+  ran = [r for r in records if _runs(r) and (not estimate or r.est_comm_share is not None)]
+  strategies = list(dict.fromkeys(r.strategy for r in ran))
+  lengths = sorted({r.seq_len for r in ran})
   kinds = sorted({k for r in ran for k in _shares(r, estimate)})
   fig, ax = plt.subplots(figsize=(max(8, 0.6 * len(strategies) * max(len(lengths), 1)), 5))
   width = 0.8 / max(len(lengths), 1)
@@ -162,7 +162,7 @@ def _comm(records, path: pathlib.Path, where: str, estimate: bool, plt) -> pathl
       x = i + (j - (len(lengths) - 1) / 2) * width
       ticks.append(x)
       labels.append(tokens(n))
-      r = next((r for r in ran if r["strategy"] == s and r["seq_len"] == n), None)
+      r = next((r for r in ran if r.strategy == s and r.seq_len == n), None)
       if r is None:
         continue
       bottom = 0.0
@@ -187,5 +187,5 @@ def _comm(records, path: pathlib.Path, where: str, estimate: bool, plt) -> pathl
   ax.grid(True, axis="y", alpha=0.3)
   drawn: dict[str, tuple[list[int], list]] = {}
   for r in ran:
-    drawn.setdefault(r["strategy"], ([], []))[0].append(r["seq_len"])
+    drawn.setdefault(r.strategy, ([], []))[0].append(r.seq_len)
   return _finish(fig, ax, records, drawn, path, plt)
