@@ -29,7 +29,7 @@ from maxctx import hlo as hlo_lib
 from maxctx import scopes
 from maxctx import topology as topology_lib
 from maxctx.config import Config
-from maxctx.errors import ConfigError, exit_code
+from maxctx.errors import ArgumentParser, ConfigError, exit_code
 
 log = logging.getLogger("maxctx")
 
@@ -317,7 +317,7 @@ def format_report(r: CompileReport) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(prog="python -m maxctx.compile", description=__doc__.split("\n\n")[0],
+  p = ArgumentParser(prog="python -m maxctx.compile", description=__doc__.split("\n\n")[0],
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("config", help="the run's YAML file (e.g. a recipe in configs/recipes/)")
   p.add_argument("overrides", nargs="*",

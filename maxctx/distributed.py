@@ -1,6 +1,7 @@
 """Multi-host start-up: one JAX process per host, joined by `jax.distributed.initialize` before any device is touched.
 
-    rest = distributed.initialize(sys.argv[1:])   # consumes --coordinator/--num-processes/--process-id, if any
+    distributed.add_flags(parser)                                  # an entry point's argparse parser
+    distributed.initialize_processes(distributed.options(args))    # before anything touches a device
 
 - On TPU VMs and GKE TPU node pools JAX finds the coordinator, process count and id itself (GKE sets
   TPU_WORKER_HOSTNAMES / TPU_WORKER_ID, a TPU VM's metadata server names its workers), so nothing needs passing.
@@ -22,7 +23,7 @@ import os
 
 import jax
 
-from maxctx.errors import ConfigError
+from maxctx.errors import ArgumentParser, ConfigError
 
 log = logging.getLogger("maxctx")
 
@@ -67,7 +68,7 @@ def options(args: argparse.Namespace) -> Options:
 
 def parse_args(argv: list[str]) -> tuple[Options, list[str]]:
   """(the coordinator options, the other arguments) of an argument list."""
-  parser = argparse.ArgumentParser(add_help=False)
+  parser = ArgumentParser(add_help=False)
   add_flags(parser)
   args, rest = parser.parse_known_args(argv)
   return options(args), rest

@@ -4,8 +4,9 @@ The entry points catch these and print the sentence without a traceback; anythin
 """
 
 
+import argparse
 import sys
-from typing import Callable
+from typing import Callable, NoReturn
 
 
 def exit_code(body: Callable[[], int | None]) -> int:
@@ -19,6 +20,19 @@ def exit_code(body: Callable[[], int | None]) -> int:
   except KeyboardInterrupt:
     print("interrupted", file=sys.stderr)
     return 130
+
+
+class ArgumentParser(argparse.ArgumentParser):
+  """The entry points' parser: a malformed command line is one sentence and exit code 2 (as a user error is), and a
+  flag must be spelt out (no abbreviations, which a later flag could make ambiguous)."""
+
+  def __init__(self, *args, **kwargs):
+    kwargs.setdefault("allow_abbrev", False)
+    super().__init__(*args, **kwargs)
+
+  def error(self, message: str) -> NoReturn:
+    print(f"error: {self.prog}: {message}; see {self.prog} --help.", file=sys.stderr)
+    raise SystemExit(2)
 
 
 class MaxctxError(Exception):

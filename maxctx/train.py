@@ -35,7 +35,7 @@ from maxctx import metrics as metrics_lib
 from maxctx import preemption as preemption_lib
 from maxctx import run_dir as run_dir_lib
 from maxctx.eval import sweep as eval_sweep
-from maxctx.errors import ConfigError, MaxctxError, exit_code
+from maxctx.errors import ArgumentParser, ConfigError, MaxctxError, exit_code
 from maxctx.trainer import Trainer, TrainState, offloaded_bytes_per_device, validate
 
 log = logging.getLogger("maxctx")
@@ -256,7 +256,7 @@ class _Reporter:
 
 
 def _parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(prog="python -m maxctx.train", description=__doc__.split("\n\n")[0],
+  p = ArgumentParser(prog="python -m maxctx.train", description=__doc__.split("\n\n")[0],
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("config", help="the run's YAML file (e.g. configs/demo.yml)")
   p.add_argument("overrides", nargs="*", help="section.key=value, e.g. run.steps=20")

@@ -28,7 +28,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # Runs 
 
 from maxctx import config as config_lib  # noqa: E402
 from maxctx import hf  # noqa: E402
-from maxctx.errors import CheckpointError, MaxctxError  # noqa: E402
+from maxctx.errors import ArgumentParser, CheckpointError, MaxctxError  # noqa: E402
 
 SHARD_BYTES = 5 * 2**30
 SINGLE_FILE = "model.safetensors"
@@ -181,8 +181,8 @@ def export_hf(params_dir: str | pathlib.Path, config_path: str | pathlib.Path, h
 
 
 def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                   formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+  parser = ArgumentParser(description=__doc__.split("\n\n")[0],
+                          formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
   commands = parser.add_subparsers(dest="command", required=True)
   p = commands.add_parser("import", help="HF directory → Orbax params + model.yml")
   p.add_argument("hf_dir")

@@ -50,6 +50,7 @@ class Strategy:
     if platforms is not None and platform not in platforms:
       raise ConfigError(f"attention.kernel {p.kernel!r} runs only on {' or '.join(platforms)}, not on {platform}; "
                         "use attention.kernel=blockwise there.")
+    layout.check_length(p.seq_len, p.context, p.load_balance)   # before the kernel's checks, which divide by it
     if kernels.KERNELS[p.kernel].check is not None and (reason := kernels.KERNELS[p.kernel].check(p)):
       raise ConfigError(reason)
     if p.n_heads % p.n_kv_heads:
@@ -63,7 +64,6 @@ class Strategy:
     if p.ulysses_degree is not None and not self.uses_ulysses_degree:
       raise ConfigError(f"attention.ulysses_degree={p.ulysses_degree} is read only by usp, not by {self.name}; "
                         "remove it or set attention.strategy=usp.")
-    layout.check_length(p.seq_len, p.context, p.load_balance)
 
   def build(self, mesh: Mesh, *, kernel: str, load_balance: bool, ulysses_degree: int | None,
             block_q: int | None, block_kv: int | None) -> AttentionFn:

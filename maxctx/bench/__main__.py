@@ -22,7 +22,7 @@ from maxctx import config as config_lib
 from maxctx import metrics as metrics_lib
 from maxctx.bench import plan as plan_lib
 from maxctx.bench import plots, report
-from maxctx.errors import ConfigError, MaxctxError, exit_code
+from maxctx.errors import ArgumentParser, ConfigError, MaxctxError, exit_code
 
 log = logging.getLogger("maxctx.bench")
 
@@ -31,7 +31,7 @@ DEFAULT_TOPOLOGY_LENGTHS = "1m,4m,14m"
 
 
 def _parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(prog="python -m maxctx.bench", description=__doc__.split("\n\n")[0],
+  p = ArgumentParser(prog="python -m maxctx.bench", description=__doc__.split("\n\n")[0],
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("config", help="the run's YAML file: model, mesh, data, batch (e.g. configs/bench.yml)")
   p.add_argument("overrides", nargs="*", help="section.key=value applied to every run, e.g. data.batch_size=16")
@@ -73,7 +73,7 @@ def _model_line(config: config_lib.Config) -> str:
           f"load_balance {str(config.attention.load_balance).lower()}")
 
 
-def measure_all(config, cases, args) -> tuple[list[dict], str, str]:
+def measure_all(config, cases, args) -> tuple[list[report.Record], str, str]:
   import jax
   from maxctx.bench import measure
   steps = measure.Steps(warmup=1, timed=args.steps, traced=args.trace_steps)
@@ -105,7 +105,7 @@ def measure_all(config, cases, args) -> tuple[list[dict], str, str]:
   return records, where, setup
 
 
-def estimate_all(config, cases, args, out: pathlib.Path) -> tuple[list[dict], str, str]:
+def estimate_all(config, cases, args, out: pathlib.Path) -> tuple[list[report.Record], str, str]:
   from maxctx import mesh as mesh_lib
   from maxctx import topology as topology_lib
   from maxctx.bench import aot

@@ -81,7 +81,7 @@ def _mesh_overrides(base: Config, strategy: str, num_devices: int, num_slices: i
 
 def configure(base: Config, strategy: str, seq_len: int, num_devices: int, num_slices: int = 1,
               context: int | None = None, steps: int | None = None, platform: str | None = None) -> Case:
-  """The config of one run, checked by `maxctx.trainer.validate` (and the data pipeline's shape checks)."""
+  """The config of one run, checked by `maxctx.trainer.validate`."""
   overrides = {"attention.strategy": NONE_STRATEGY if strategy == NONE else strategy, "data.seq_len": seq_len,
                "run.name": f"{base.run.name}-bench-{strategy}-{tokens(seq_len)}", "checkpoint.every_steps": 0,
                "checkpoint.load_params": "", "eval.every_steps": 0}

@@ -137,7 +137,7 @@ def plots(records: Sequence[Record], out: pathlib.Path, where: str, estimate: bo
   return paths
 
 
-def _shares(r: dict, estimate: bool) -> dict[str, float]:
+def _shares(r: Record, estimate: bool) -> dict[str, float]:
   """Kind → share of step time: measured (attention scope), or the estimated ICI share split by bytes per kind."""
   if not estimate:
     return r.comm_share_by_kind or {}

@@ -1,7 +1,8 @@
 """What a benchmark writes to `--out`: results.jsonl (one record per strategy × length), results.md (the tables),
 and the same scalars to TensorBoard under `bench/` (the PNG plots are maxctx.bench.plots).
 
-A record always has `strategy`, `seq_len`, `status` and, unless it ran, `reason`:
+A record (`Record`; every field in the JSON, null where it does not apply) has `strategy`, `seq_len`, `status`
+and, unless it ran, `reason`:
   ok        measured on the devices present (tokens_per_s, step_time_s, memory_compiled, peak_bytes_runtime,
             comm_share, comm_share_by_kind, comm_share_all, collective_bytes, loss, ...)
   refused   the strategy cannot run this length on this mesh; `reason` is validate()'s sentence

@@ -22,7 +22,7 @@ from maxctx import config as config_lib
 from maxctx import mesh as mesh_lib
 from maxctx import sharding
 from maxctx import train as train_lib
-from maxctx.errors import exit_code
+from maxctx.errors import ArgumentParser, exit_code
 from maxctx.eval import params as params_lib
 from maxctx.eval import report, sweep as sweep_lib
 from maxctx.trainer import validate
@@ -31,7 +31,7 @@ log = logging.getLogger("maxctx.eval")
 
 
 def _parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(prog="python -m maxctx.eval", description=__doc__.split("\n\n")[0],
+  p = ArgumentParser(prog="python -m maxctx.eval", description=__doc__.split("\n\n")[0],
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("config", help="the run's YAML file (e.g. configs/demo-passkey.yml)")
   p.add_argument("overrides", nargs="*", help="section.key=value, e.g. checkpoint.load_params=DIR")
