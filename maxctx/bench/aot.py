@@ -152,6 +152,12 @@ def record(case: Case, mesh: dict[str, int], out_dir: pathlib.Path, reports: lis
                      f"{topo.hbm_bytes / topology_lib.GIB:.1f} GiB HBM ({report.over_bytes / topology_lib.GIB:.1f} "
                      "GiB over)")
   rec.update(roofline.estimate(report, topo))
-  if rec.get("collective_bytes") is None:
+  coll = rec.get("collective_bytes")
+  if coll is None:
     rec["note"] = "network time not estimated: the report has no collective bytes (compile it with maxctx.bench)"
+  elif coll.get("unknown_trip_counts"):
+    # The ring's pass loop has a bound XLA must not see (maxctx.attention.ring, `passes`), and the TPU compiler's
+    # HLO states no trip counts: its collectives are counted once, not once per pass.
+    rec["note"] = ("collective bytes and network time are lower bounds: some collectives sit in loops whose trip "
+                   "count the compiled HLO does not state, and are counted once per step")
   return rec
