@@ -103,8 +103,10 @@ def reference(n_heads, kv_heads, dtype, mask, case=CASES["blockwise"]):
 def expected_refusal(strategy, degree, mesh_shape, n_heads, kv_heads):
   """The start of the sentence `validate` must raise for an impossible combination, or None."""
   context, tensor = mesh_shape[2], mesh_shape[3]
-  if n_heads % tensor or kv_heads % tensor:
-    return "the tensor axis"
+  if n_heads % tensor:
+    return f"model.n_heads {n_heads} is not divisible by the tensor degree {tensor}"
+  if kv_heads % tensor:
+    return f"model.n_kv_heads {kv_heads} is not divisible by the tensor degree {tensor}"
   if degree is not None and context % degree:
     return f"attention.ulysses_degree {degree} does not divide"
   a2a = context if strategy == "ulysses" else degree
