@@ -318,7 +318,7 @@ def format_report(r: CompileReport) -> str:
 
 def _parser() -> argparse.ArgumentParser:
   p = ArgumentParser(prog="python -m maxctx.compile", description=__doc__.split("\n\n")[0],
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("config", help="the run's YAML file (e.g. a recipe in configs/recipes/)")
   p.add_argument("overrides", nargs="*",
                  help="section.key=value, e.g. compile.topology=v5p-128 compile.num_slices=2 attention.kernel=flash")

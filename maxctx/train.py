@@ -40,6 +40,7 @@ from maxctx.trainer import Trainer, TrainState, offloaded_bytes_per_device, vali
 
 log = logging.getLogger("maxctx")
 
+
 def setup_logging() -> None:
   prefix = f"[process {jax.process_index()}] " if jax.process_count() > 1 else ""
   logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {prefix}%(message)s", datefmt="%H:%M:%S",
@@ -257,7 +258,7 @@ class _Reporter:
 
 def _parser() -> argparse.ArgumentParser:
   p = ArgumentParser(prog="python -m maxctx.train", description=__doc__.split("\n\n")[0],
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("config", help="the run's YAML file (e.g. configs/demo.yml)")
   p.add_argument("overrides", nargs="*", help="section.key=value, e.g. run.steps=20")
   distributed.add_flags(p)

@@ -32,7 +32,7 @@ DEFAULT_TOPOLOGY_LENGTHS = "1m,4m,14m"
 
 def _parser() -> argparse.ArgumentParser:
   p = ArgumentParser(prog="python -m maxctx.bench", description=__doc__.split("\n\n")[0],
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("config", help="the run's YAML file: model, mesh, data, batch (e.g. configs/bench.yml)")
   p.add_argument("overrides", nargs="*", help="section.key=value applied to every run, e.g. data.batch_size=16")
   p.add_argument("--strategies", default=plan_lib.DEFAULT_STRATEGIES,

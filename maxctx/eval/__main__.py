@@ -32,7 +32,7 @@ log = logging.getLogger("maxctx.eval")
 
 def _parser() -> argparse.ArgumentParser:
   p = ArgumentParser(prog="python -m maxctx.eval", description=__doc__.split("\n\n")[0],
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("config", help="the run's YAML file (e.g. configs/demo-passkey.yml)")
   p.add_argument("overrides", nargs="*", help="section.key=value, e.g. checkpoint.load_params=DIR")
   p.add_argument("--tasks", help="comma-separated tasks (replaces eval.tasks; '' for task files only)")
