@@ -114,8 +114,11 @@ class Pipeline(Iterator[dict[str, jax.Array]]):
 
   def _fingerprint(self) -> dict:
     """STREAM_KEYS by their last name (the form saved states keep)."""
-    tree = self._config.to_dict()
-    return {key.rsplit(".", 1)[1]: tree[key.split(".")[0]][key.rsplit(".", 1)[1]] for key in STREAM_KEYS}
+    out = {}
+    for key in STREAM_KEYS:
+      section, name = key.split(".")
+      out[name] = getattr(getattr(self._config, section), name)
+    return out
 
   def state(self) -> dict:
     it = self._iter.get_state()
