@@ -99,8 +99,8 @@ def backward(grads, q_BTNH, k_BSKH, v_BSKH, q_seg, kv_seg, q_pos, kv_pos, lse_BN
     kv_spec = pl.BlockSpec((None, bk, H), at(lambda b, h, i, j: (b, j, h)))
     rows_spec = pl.BlockSpec((None, None, G, bq), at(lambda b, h, i, j: (b, h, 0, i)))
     return [q_spec, kv_spec, kv_spec, q_spec, rows_spec, rows_spec,
-            pl.BlockSpec((None, 16, bq), at(lambda b, h, i, j: (b, 0, i))),
-            pl.BlockSpec((None, 16, bk), at(lambda b, h, i, j: (b, 0, j)))]
+            pl.BlockSpec((None, 2, bq), at(lambda b, h, i, j: (b, 0, i))),
+            pl.BlockSpec((None, 2, bk), at(lambda b, h, i, j: (b, 0, j)))]
 
   dq_order = lambda b, h, i, j: (b, h, i, j)  # noqa: E731
   dkv_order = lambda b, h, j, i: (b, h, i, j)  # noqa: E731

@@ -9,8 +9,8 @@ read as [B, K, G, T] in [G, bq] blocks: one row of tokens in lanes per query hea
 
 A score tile is [bq, bk] (or its transpose), so a per-query value must be a column [bq, 1] to meet it, and a per-key
 value a row [1, bk]. Rows come from HBM; `column` turns one into a column with one transpose on the XLU, done once
-per block where the block stays in VMEM across the inner grid axis. Segment ids and positions travel as [B, 16, T]
-int32: rows 0-7 the segment id, rows 8-15 the position, repeated over the 8 sublanes of a tile.
+per block where the block stays in VMEM across the inner grid axis. Segment ids and positions travel as [B, 2, T]
+int32: row 0 the segment id, row 1 the position.
 """
 
 from __future__ import annotations
@@ -36,10 +36,8 @@ def fit(block: int | None, length: int) -> int:
 
 
 def ids_rows(segment_ids_BT, positions_BT):
-  """[B, 16, T] int32: the segment ids on sublanes 0-7 and the positions on 8-15 (see the module docstring)."""
-  B, T = segment_ids_BT.shape
-  ids_B2T = jnp.stack([segment_ids_BT, positions_BT], axis=1).astype(jnp.int32)
-  return jnp.broadcast_to(ids_B2T[:, :, None], (B, 2, 8, T)).reshape(B, 16, T)
+  """[B, 2, T] int32: the segment ids in row 0, the positions in row 1 (see the module docstring)."""
+  return jnp.stack([segment_ids_BT, positions_BT], axis=1).astype(jnp.int32)
 
 
 def summaries(segment_ids_BT, positions_BT, block):
@@ -114,21 +112,21 @@ def row(column_QL):
 
 
 def id_columns(ids_ref):
-  """(segment ids, positions) of a [16, Q] ids block as [Q, LANES] columns."""
-  return column(ids_ref[0:1, :]), column(ids_ref[8:9, :])
+  """(segment ids, positions) of a [2, Q] ids block as [Q, LANES] columns."""
+  return column(ids_ref[0:1, :]), column(ids_ref[1:2, :])
 
 
 def visible(q_seg_col, q_pos_col, kv_ids_ref):
   """The contract's mask of a [Q, bk] tile: query columns against the key block's id rows (`mask.visible`)."""
   q_seg, q_pos = q_seg_col[:, 0:1], q_pos_col[:, 0:1]
-  kv_seg, kv_pos = kv_ids_ref[0:1, :], kv_ids_ref[8:9, :]
+  kv_seg, kv_pos = kv_ids_ref[0:1, :], kv_ids_ref[1:2, :]
   return (q_seg == kv_seg) & (q_seg != 0) & (kv_pos <= q_pos)
 
 
 def visible_t(kv_seg_col, kv_pos_col, q_ids_ref):
   """The transposed mask, [bk, Q]: key columns against the query block's id rows."""
   kv_seg, kv_pos = kv_seg_col[:, 0:1], kv_pos_col[:, 0:1]
-  q_seg, q_pos = q_ids_ref[0:1, :], q_ids_ref[8:9, :]
+  q_seg, q_pos = q_ids_ref[0:1, :], q_ids_ref[1:2, :]
   return (kv_seg == q_seg) & (q_seg != 0) & (kv_pos <= q_pos)
 
 
@@ -144,13 +142,14 @@ def rows_view(x_BNT, groups):
   return x_BNT.reshape(B, N // groups, groups, T)
 
 
-def dispatch(make_call, *operands, interpret: bool | None = None):
-  """`make_call(interpret)(*operands)`: Mosaic where the step is lowered for a TPU, the Pallas interpreter elsewhere.
-  Chosen when lowering, not from the default backend, so an ahead-of-time TPU compile on a CPU host gets the real
-  kernel (`lax.platform_dependent` lowers only the branch of the platform compiled for). `interpret` forces it."""
+def dispatch(make_call, *operands, interpret: bool | None = None, platform: str = "tpu"):
+  """`make_call(interpret)(*operands)`: compiled (Mosaic; Triton with platform="cuda") where the step is lowered for
+  `platform`, the Pallas interpreter elsewhere. Chosen when lowering, not from the default backend, so an
+  ahead-of-time TPU compile on a CPU host gets the real kernel (`lax.platform_dependent` lowers only the branch of the
+  platform compiled for). `interpret` forces it."""
   if interpret is not None:
     return make_call(interpret)(*operands)
-  return jax.lax.platform_dependent(*operands, tpu=make_call(False), default=make_call(True))
+  return jax.lax.platform_dependent(*operands, default=make_call(True), **{platform: make_call(False)})
 
 
 def check(x: jax.Array, what: str) -> None:
