@@ -68,6 +68,14 @@ def peak_tflops_per_device(override: float = 0.0, compute_dtype=jnp.bfloat16) ->
   return 0.0, f"unknown ({kind})"
 
 
+def peak_memory_gib() -> float | None:
+  """The most device memory any local device has held so far (GiB), where the runtime counts it (GPU, TPU; not the
+  CPU: None)."""
+  peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in jax.local_devices()]
+  peaks = [p for p in peaks if p is not None]
+  return max(peaks) / 2**30 if peaks else None
+
+
 class Writer:
   """TensorBoard scalars (process 0 only) and a console progress line.
 
@@ -99,9 +107,10 @@ class Writer:
 
   def console(self, step: int, values: dict[str, float], eta_s: float | None) -> None:
     eta = "" if eta_s is None else f" | ETA {_duration(eta_s)}"
-    log.info("step %d/%d | loss %.4f | %s tok/s | MFU %.1f%% | step %.3fs | lr %.2e | grad norm %.3f%s",
+    peak = f" | peak {values['peak_memory_gib']:.1f} GiB" if "peak_memory_gib" in values else ""
+    log.info("step %d/%d | loss %.4f | %s tok/s | MFU %.1f%% | step %.3fs | lr %.2e | grad norm %.3f%s%s",
              step, self.total_steps, values["loss"], f"{values['tokens_per_sec']:,.0f}", 100 * values["mfu"],
-             values["step_time"], values["learning_rate"], values["grad_norm"], eta)
+             values["step_time"], values["learning_rate"], values["grad_norm"], peak, eta)
 
   def flush(self) -> None:
     """Writes every scalar so far to disk before it returns."""

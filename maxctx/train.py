@@ -249,6 +249,8 @@ class _Reporter:
     values["tflops_per_device"] = self.flops / step_time / self.n_devices / 1e12
     values["mfu"] = values["tflops_per_device"] / self.peak if self.peak else 0.0
     values.pop("tokens")
+    if (peak := metrics_lib.peak_memory_gib()) is not None:
+      values["peak_memory_gib"] = peak
     n = step + 1
     if n % config.metrics.log_every == 0 or n == config.run.steps:
       self.writer.scalars(n, values)

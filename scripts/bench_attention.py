@@ -1,19 +1,26 @@
-"""Context-parallel attention: forward and forward+backward median time and per-device temp memory, per strategy and
-kernel, with the `ringattention` PyPI package (0.1.2) as a baseline row.
+"""Context-parallel attention: forward and forward+backward median time, TFLOP/s and per-device temp memory, per
+strategy and kernel, with a baseline row: the `ringattention` PyPI package (0.1.2), or cuDNN's fused attention.
 
   python scripts/bench_attention.py                                  # B=1, T=8192, N=K=8, H=64, causal, f32, context=8
   python scripts/bench_attention.py --strategies ring usp --kernels blockwise --json out.json
   python scripts/bench_attention.py --seq-len 65536 --iters 3 --no-baseline
   python scripts/bench_attention.py --seq-len 65536 --iters 0 --strategies ring usp   # memory only: compiles, no runs
   python scripts/bench_attention.py --kernel flash --head-dim 128 --seq-len 8192 --no-baseline
+  python scripts/bench_attention.py --kernel flash --baseline cudnn --context 1 --strategies all_gather \
+      --batch 1 --heads 32 --kv-heads 8 --head-dim 128 --seq-len 131072 --dtype bfloat16 --documents 64   # one GPU
 
 On a CPU host it fakes `--context` devices (XLA_FLAGS) before JAX starts. Forward+backward is the vjp with a random
 output cotangent; temp memory is its compiled `memory_analysis().temp_size_in_bytes` per device. Timings belong
 here, never in tests.
 Target at the default shape: ring forward+backward ≤ 0.6 × ringattention's time, and per-device temp no larger.
-A kernel made for another platform (flash, a TPU kernel, on a CPU or GPU) runs in the Pallas interpreter: its row is
-marked "interpreted", its times measure the interpreter, not the kernel, and only its results and memory mean
-anything; its speed needs the hardware it is for.
+TFLOP/s count the pairs the mask shows (causal: T(T+1)/2 per row and head; with `--documents`, each document's own
+triangle) at 4·H FLOPs each forward and 3.5× that forward+backward (FlashAttention-2's convention: the backward's five
+products, one of them the recomputed scores); the cuDNN row is causal without documents, so `--documents` adds rows
+of ours with packed documents next to rows without. On one GPU, `--context 1 --strategies all_gather` is the kernel
+alone.
+A kernel off the platforms it is made for (flash, for TPUs and NVIDIA GPUs, on a CPU) runs in the Pallas interpreter:
+its row is marked "interpreted", its times measure the interpreter, not the kernel, and only its results and memory
+mean anything; its speed needs the hardware it is for.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import time
 
 
 BASELINE_KERNEL = "jax"   # the baseline row's kernel column
+DEFAULT_BLOCK = 512       # the baseline's chunks when no block size is given (blockwise's default)
 
 
 def parse_args(argv=None):
@@ -41,11 +49,18 @@ def parse_args(argv=None):
   p.add_argument("--strategies", nargs="+", default=["all_gather", "ulysses", "ring", "usp"])
   p.add_argument("--kernels", nargs="+", default=["blockwise"])
   p.add_argument("--ulysses-degree", type=int, default=2, help="usp's all-to-all group size")
-  p.add_argument("--block-q", type=int, default=512)
-  p.add_argument("--block-kv", type=int, default=512)
+  p.add_argument("--block-q", type=int, default=None, help="default: the kernel's own (blockwise 512; flash 512 on "
+                 "a TPU, 128 forward and 64 backward on a GPU)")
+  p.add_argument("--block-kv", type=int, default=None, help="default: the kernel's own (blockwise 512; flash 512 on "
+                 "a TPU, 64 on a GPU)")
   p.add_argument("--load-balance", action="store_true", help="zigzag layout (ours only; the baseline cannot)")
   p.add_argument("--iters", type=int, default=5, help="timed calls per function; 0 compiles and prints memory only")
+  p.add_argument("--baseline", choices=["ringattention", "cudnn"], default="ringattention",
+                 help="ringattention 0.1.2's JAX ring (the `bench` extra), or jax.nn.dot_product_attention with "
+                      "implementation='cudnn' and is_causal=True (XLA's implementation off a GPU)")
   p.add_argument("--no-baseline", action="store_true")
+  p.add_argument("--documents", type=int, default=0,
+                 help="also time our rows with each row packed with this many documents of random lengths")
   p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
   return p.parse_args(argv)
 
@@ -77,17 +92,22 @@ def main(argv=None) -> list[dict]:
   heads = NamedSharding(mesh, P(sharding.BATCH_AXES, sharding.SEQ_AXIS, sharding.HEAD_AXIS, None))
   toks = NamedSharding(mesh, P(sharding.BATCH_AXES, sharding.SEQ_AXIS))
   rng = np.random.default_rng(0)
-  seg = np.ones((b, t), np.int32)
-  pos = np.tile(np.arange(t, dtype=np.int32), (b, 1))
-  if args.load_balance:
-    pos = layout.zigzag(pos, args.context)
+  causal = np.ones((b, t), np.int32), np.tile(np.arange(t, dtype=np.int32), (b, 1))
+  id_sets = {"": causal}   # row label suffix -> (segment ids, positions), natural order
+  if args.documents:
+    id_sets[f" {args.documents} docs"] = packed(rng, b, t, args.documents)
   q = jax.device_put(jnp.asarray(rng.normal(size=(b, t, n, h)), dtype), heads)
   kk = jax.device_put(jnp.asarray(rng.normal(size=(b, t, k, h)), dtype), heads)
   v = jax.device_put(jnp.asarray(rng.normal(size=(b, t, k, h)), dtype), heads)
   dout = jax.device_put(jnp.asarray(rng.normal(size=(b, t, n, h)), dtype), heads)
-  seg, pos = jax.device_put(seg, toks), jax.device_put(pos, toks)
 
-  def prepare(label, kernel, fn):
+  def ids(seg, pos):
+    if args.load_balance:
+      seg, pos = layout.zigzag(seg, args.context), layout.zigzag(pos, args.context)
+    return jax.device_put(seg, toks), jax.device_put(pos, toks)
+
+  def prepare(label, kernel, fn, seg_pos):
+    seg, pos = ids(*seg_pos)
     fwd = jax.jit(fn).lower(q, kk, v, seg, pos).compile()
 
     # Forward+backward with the output's cotangent as an argument, as inside a model (a loss like sum(out) would add
@@ -100,33 +120,40 @@ def main(argv=None) -> list[dict]:
       jax.block_until_ready(fwd(q, kk, v, seg, pos))   # warm up
       jax.block_until_ready(fwd_bwd(q, kk, v, seg, pos, dout))
     return dict(strategy=label, kernel=kernel, temp_mib=fwd_bwd.memory_analysis().temp_size_in_bytes / 2**20,
-                fns=(fwd, fwd_bwd), times=([], []))
+                fwd_flops=4 * h * n * visible_pairs(seg_pos[0]), tokens=b * t, fns=(fwd, fwd_bwd),
+                operands=((q, kk, v, seg, pos), (q, kk, v, seg, pos, dout)), times=([], []))
 
   def time_round_robin(rows):
     """One call of each function per round, so load on a shared host falls on every row alike."""
     for _ in range(args.iters):
       for row in rows:
-        for f, operands, times in zip(row["fns"], ((q, kk, v, seg, pos), (q, kk, v, seg, pos, dout)),
-                                      row["times"]):
+        for f, operands, times in zip(row["fns"], row["operands"], row["times"]):
           start = time.perf_counter()
           jax.block_until_ready(f(*operands))
           times.append(time.perf_counter() - start)
     for row in rows:
       row["fwd_ms"], row["fwd_bwd_ms"] = (1e3 * statistics.median(ts) if ts else None for ts in row.pop("times"))
-      del row["fns"]
+      del row["fns"], row["operands"]
+      ms = row["fwd_bwd_ms"]
+      row["fwd_bwd_tflops"] = 3.5 * row["fwd_flops"] / ms / 1e9 if ms else None
+      row["fwd_bwd_tokens_per_s"] = row["tokens"] / ms * 1e3 if ms else None
     base = next((r for r in rows if r["kernel"] == BASELINE_KERNEL), None)
     for row in rows:
       # The target's measure: forward+backward time over the baseline's at the same shape and block sizes.
       row["fwd_bwd_vs_baseline"] = row["fwd_bwd_ms"] / base["fwd_bwd_ms"] if base and args.iters else None
-      ratio, fwd_ms, fwd_bwd_ms = (f"{x:{spec}}" if x is not None else "—" for x, spec in (
-          (row["fwd_bwd_vs_baseline"], ".2f"), (row["fwd_ms"], ".1f"), (row["fwd_bwd_ms"], ".1f")))
-      print(f"{row['strategy']:<22} {row['kernel']:<10} {fwd_ms:>10} {fwd_bwd_ms:>12} {ratio:>12} "
-            f"{row['temp_mib']:>10.1f}{'  interpreted: not a speed' if row.get('interpreted') else ''}", flush=True)
+      cells = (f"{x:{spec}}" if x is not None else "—" for x, spec in (
+          (row["fwd_ms"], ".1f"), (row["fwd_bwd_ms"], ".1f"), (row["fwd_bwd_vs_baseline"], ".2f"),
+          (row["fwd_bwd_tflops"], ".2f"), (row["fwd_bwd_tokens_per_s"], ",.0f")))
+      fwd_ms, fwd_bwd_ms, ratio, tflops, tokens = cells
+      print(f"{row['strategy']:<28} {row['kernel']:<10} {fwd_ms:>10} {fwd_bwd_ms:>12} {ratio:>12} {tflops:>10} "
+            f"{tokens:>10} {row['temp_mib']:>10.1f}{'  interpreted: not a speed' if row.get('interpreted') else ''}",
+            flush=True)
 
   print(f"B={b} T={t} N={n} K={k} H={h} causal {args.dtype} context={args.context} "
         f"load_balance={args.load_balance} block_q={args.block_q} block_kv={args.block_kv} "
-        f"on {jax.devices()[0].platform}")
-  print(f"{'strategy':<22} {'kernel':<10} {'fwd ms':>10} {'fwd+bwd ms':>12} {'÷ baseline':>12} {'temp MiB':>10}")
+        f"on {jax.devices()[0].platform} ({jax.devices()[0].device_kind}), jax {jax.__version__}")
+  print(f"{'strategy':<28} {'kernel':<10} {'fwd ms':>10} {'fwd+bwd ms':>12} {'÷ baseline':>12} {'TFLOP/s':>10} "
+        f"{'tokens/s':>10} {'temp MiB':>10}")
   rows = []
   for strategy in args.strategies:
     degree = args.ulysses_degree if strategy == "usp" else None
@@ -141,17 +168,26 @@ def main(argv=None) -> list[dict]:
       try:
         attention.validate(strategy, problem)
       except ConfigError as err:   # a refused combination is a row, not a crash
-        print(f"{label:<22} {kernel:<10} refused: {err}")
+        print(f"{label:<28} {kernel:<10} refused: {err}")
         continue
       fn = attention.build(strategy, mesh, kernel=kernel, load_balance=args.load_balance, ulysses_degree=degree,
                            block_q=args.block_q, block_kv=args.block_kv)
-      rows.append(prepare(label, kernel, fn))
-      rows[-1]["interpreted"] = interpreted
-  if not args.no_baseline:
-    if args.load_balance or k != n:
-      print("ringattention baseline skipped: it needs the natural layout and N = K")
+      for suffix, seg_pos in id_sets.items():
+        rows.append(prepare(label + suffix, kernel, fn, seg_pos))
+        rows[-1]["interpreted"] = interpreted
+  if args.no_baseline:
+    pass
+  elif args.baseline == "cudnn":
+    if args.context != 1:
+      print("cuDNN baseline skipped: it is the kernel alone, so it needs --context 1")
     else:
-      rows.append(prepare("ringattention 0.1.2", BASELINE_KERNEL, baseline(mesh, args, dtype)))
+      on_gpu = jax.default_backend() == "gpu"
+      rows.append(prepare("cuDNN fused" if on_gpu else "XLA (cuDNN off a GPU)", BASELINE_KERNEL,
+                          cudnn_baseline(mesh, "cudnn" if on_gpu else None), causal))
+  elif args.load_balance or k != n:
+    print("ringattention baseline skipped: it needs the natural layout and N = K")
+  else:
+    rows.append(prepare("ringattention 0.1.2", BASELINE_KERNEL, baseline(mesh, args, dtype), causal))
   time_round_robin(rows)
   if args.json:
     with open(args.json, "w") as f:
@@ -159,6 +195,48 @@ def main(argv=None) -> list[dict]:
                                 context=args.context, load_balance=args.load_balance, block_q=args.block_q,
                                 block_kv=args.block_kv), rows=rows), f, indent=2)
   return rows
+
+
+def packed(rng, batch: int, length: int, documents: int):
+  """(segment ids, positions) [batch, length] of rows packed with `documents` documents of random lengths each."""
+  import numpy as np
+  seg, pos = np.zeros((batch, length), np.int32), np.zeros((batch, length), np.int32)
+  for row in range(batch):
+    cuts = np.sort(rng.choice(np.arange(1, length), size=documents - 1, replace=False))
+    for i, (start, end) in enumerate(zip([0, *cuts], [*cuts, length])):
+      seg[row, start:end], pos[row, start:end] = i + 1, np.arange(end - start)
+  return seg, pos
+
+
+def visible_pairs(seg) -> int:
+  """(query, key) pairs the causal mask shows in rows with segment ids `seg` (natural order): L(L+1)/2 a document."""
+  import numpy as np
+  total = 0
+  for row in seg:
+    _, lengths = np.unique(row[row != 0], return_counts=True)
+    total += int(sum(int(n) * (int(n) + 1) // 2 for n in lengths))
+  return total
+
+
+def cudnn_baseline(mesh, implementation):
+  """jax.nn.dot_product_attention, causal, no segment ids: cuDNN's fused flash attention on a GPU."""
+  import functools
+
+  import jax
+  from jax.sharding import PartitionSpec as P
+
+  from maxctx import sharding
+
+  heads = P(sharding.BATCH_AXES, sharding.SEQ_AXIS, sharding.HEAD_AXIS, None)
+  tokens = P(sharding.BATCH_AXES, sharding.SEQ_AXIS)
+
+  @functools.partial(jax.shard_map, mesh=mesh, in_specs=(heads, heads, heads, tokens, tokens), out_specs=heads,
+                     check_vma=False)
+  def attend(q, k, v, segment_ids, positions):
+    del segment_ids, positions
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
+
+  return attend
 
 
 def baseline(mesh, args, dtype):
@@ -178,8 +256,8 @@ def baseline(mesh, args, dtype):
   from ringattention import ringattention_jax
 
   kwargs = dict(causal_block_size=1, deterministic=True, dropout_rng=None, attn_pdrop=0.0,
-                query_chunk_size=min(args.block_q, args.seq_len // args.context),
-                key_chunk_size=min(args.block_kv, args.seq_len // args.context), dtype=dtype,
+                query_chunk_size=min(args.block_q or DEFAULT_BLOCK, args.seq_len // args.context),
+                key_chunk_size=min(args.block_kv or DEFAULT_BLOCK, args.seq_len // args.context), dtype=dtype,
                 policy=jax.checkpoint_policies.nothing_saveable, precision=None, prevent_cse=True)
   heads = P(sharding.BATCH_AXES, sharding.SEQ_AXIS, sharding.HEAD_AXIS, None)
   tokens = P(sharding.BATCH_AXES, sharding.SEQ_AXIS)

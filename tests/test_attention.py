@@ -118,12 +118,17 @@ BASE = dict(context=8, tensor=1, n_heads=8, n_kv_heads=2, seq_len=1024, kernel="
     ("ring", dict(ulysses_degree=2), r"attention.ulysses_degree=2 is read only by usp, not by ring"),
     ("all_gather", dict(n_heads=6, n_kv_heads=4), r"model.n_heads 6 is not a multiple of model.n_kv_heads 4"),
     ("all_gather", dict(tensor=4), r"model.n_kv_heads 2 is not divisible by the tensor degree 4"),
-    ("ring", dict(kernel="flash"), r"attention.kernel 'flash' runs only on tpu, not on cpu; use attention.kernel="
-                                   r"blockwise there\."),
+    ("ring", dict(kernel="flash"), r"attention.kernel 'flash' runs only on tpu or gpu, not on cpu; use "
+                                   r"attention.kernel=blockwise there\."),
     ("ring", dict(kernel="flash", platform="tpu", block_kv=100), r"attention.block_kv 100 is not a multiple of 128"),
     ("usp", dict(kernel="flash", platform="tpu", seq_len=512), r"the flash kernel needs the 64 tokens per device"),
     ("ring", dict(kernel="flash", platform="tpu", head_dim=64), r"the flash kernel needs model.head_dim to be a "
                                                                 r"multiple of 128"),
+    ("ring", dict(kernel="flash", platform="gpu", block_q=96), r"attention.block_q 96 is not a power of two of at "
+                                                               r"least 16, which the flash kernel's GPU tiles need"),
+    ("ring", dict(kernel="flash", platform="gpu", head_dim=96), r"the flash kernel on a GPU needs model.head_dim to "
+                                                                r"be a power of two from 16 to 256, not 96"),
+    ("usp", dict(kernel="flash", platform="gpu", seq_len=512), r"the flash kernel needs the 64 tokens per device"),
 ])
 def test_validate_refuses_with_one_sentence(strategy, changes, message):
   with pytest.raises(ConfigError, match=message) as err:
@@ -138,9 +143,11 @@ def test_validate_accepts_kv_heads_below_the_all_to_all_degree():
 
 
 @pytest.mark.parametrize("strategy", ["all_gather", "ulysses", "ring", "usp"])
-def test_validate_accepts_flash_on_tpu_under_every_strategy(strategy):
+def test_validate_accepts_flash_on_tpu_and_gpu_under_every_strategy(strategy):
   attention.validate(strategy, attention.Problem(**{**BASE, "kernel": "flash", "platform": "tpu", "head_dim": 128,
                                                     "load_balance": True, "block_q": 256, "block_kv": 512}))
+  attention.validate(strategy, attention.Problem(**{**BASE, "kernel": "flash", "platform": "gpu", "head_dim": 64,
+                                                    "load_balance": True, "block_q": 64, "block_kv": 32}))
 
 
 # --- compiled HLO: context parallelism did not switch itself off ------------------------------------------------

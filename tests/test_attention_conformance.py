@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import maxctx.attention as attention
 from maxctx import sharding
-from maxctx.attention import kernels, layout, ring
+from maxctx.attention import flash, kernels, layout, ring
 from maxctx.errors import ConfigError
 
 B = 2
@@ -29,14 +29,17 @@ B = 2
 @dataclasses.dataclass(frozen=True)
 class Case:
   """Sequence length, head dim and block size of a kernel's runs: small tiles, so documents shorter than a block and
-  tile skipping are both exercised. flash needs multiples of 128 (the TPU's lanes) for its blocks and head dim, so
-  it runs 128 tokens per device; the Pallas interpreter then runs it at a few seconds per strategy."""
+  tile skipping are both exercised. flash needs 128 tokens per device, and on the TPU multiples of 128 (its lanes)
+  for its blocks and head dim; the Pallas interpreter then runs it at a few seconds per strategy. Its GPU kernels
+  (`flash_gpu`: flash as lowered for a GPU) take powers of two, so they run smaller tiles and heads."""
   t: int = 128
   h: int = 16
   block: int = 8
 
 
-CASES = {"blockwise": Case(), "flash": Case(t=1024, h=128, block=128)}
+CASES = {"blockwise": Case(), "flash": Case(t=1024, h=128, block=128), "flash_gpu": Case(t=1024, h=32, block=32)}
+# A case's kernel and the platform it is validated for; off that platform the kernels run in the Pallas interpreter.
+KERNEL_OF = {"blockwise": ("blockwise", None), "flash": ("flash", "tpu"), "flash_gpu": ("flash", "gpu")}
 T, H, BLOCK = CASES["blockwise"].t, CASES["blockwise"].h, CASES["blockwise"].block
 MESHES = {"ctx8": (1, 1, 8, 1), "fsdp2_ctx4": (1, 2, 4, 1), "data2_ctx2_tp2": (2, 1, 2, 2)}
 HEADS = {"mha": (8, 8), "gqa4": (16, 4), "kv1": (8, 1)}
@@ -122,10 +125,11 @@ def check(strategy_key, mesh_key, heads_key, dtype=jnp.float32, masks=MASKS, zig
   mesh_shape = MESHES[mesh_key]
   n_heads, kv_heads = HEADS[heads_key]
   context, tensor = mesh_shape[2], mesh_shape[3]
-  # flash is validated as on the TPU it is for (off it, validate refuses training) and runs in the interpreter.
+  # flash is validated as on the platform it is for (off it, validate refuses training) and runs in the interpreter.
+  name, platform = KERNEL_OF[kernel]
   problem = attention.Problem(context=context, tensor=tensor, n_heads=n_heads, n_kv_heads=kv_heads, seq_len=case.t,
-                              kernel=kernel, load_balance=True, ulysses_degree=degree, block_q=case.block,
-                              block_kv=case.block, platform="tpu" if kernel == "flash" else None, head_dim=case.h)
+                              kernel=name, load_balance=True, ulysses_degree=degree, block_q=case.block,
+                              block_kv=case.block, platform=platform, head_dim=case.h)
   refusal = expected_refusal(strategy, degree, mesh_shape, n_heads, kv_heads)
   if refusal:
     with pytest.raises(ConfigError, match="^" + refusal):
@@ -134,7 +138,7 @@ def check(strategy_key, mesh_key, heads_key, dtype=jnp.float32, masks=MASKS, zig
   attention.validate(strategy, problem)
 
   mesh = make_mesh(mesh_shape)
-  fn = attention.build(strategy, mesh, kernel=kernel, ulysses_degree=degree, block_q=case.block,
+  fn = attention.build(strategy, mesh, kernel=name, ulysses_degree=degree, block_q=case.block,
                        block_kv=case.block)
 
   @jax.jit
@@ -203,7 +207,7 @@ def plan(strategy_key, heads_key, kernel="blockwise"):
   case = CASES[kernel]
   local = lambda heads: jax.ShapeDtypeStruct((B, case.t // 8, heads, case.h), jnp.float32)  # noqa: E731
   return ring.pass_plan(local(n_heads), local(kv_heads), STRATEGIES[strategy_key][1] or 1,
-                        fit_kv=kernels.parts(kernel, case.block, case.block).fit_kv)
+                        fit_kv=kernels.parts(KERNEL_OF[kernel][0], case.block, case.block).fit_kv)
 
 
 @pytest.mark.slow
@@ -258,3 +262,37 @@ def test_flash_one_kv_head_per_pass(strategy_key, monkeypatch):
   n, _, _, subs = plan(strategy_key, "gqa4", "flash")
   assert n > 1 and subs == (2 if strategy_key == "usp2" else 1)
   check(strategy_key, "ctx8", "gqa4", masks=("packed",), zigzag=(True,), kernel="flash")
+
+
+# --- flash as lowered for an NVIDIA GPU (Triton kernels), run by the Pallas interpreter -------------------------------
+
+@pytest.fixture
+def gpu_kernels(monkeypatch):
+  """flash's GPU kernels (in the interpreter: the step is lowered for the CPU); off a GPU, flash takes the TPU's."""
+  monkeypatch.setattr(flash, "KERNELS_FOR", "gpu")
+
+
+@pytest.mark.parametrize("strategy_key", list(STRATEGIES))
+def test_flash_gpu_context8_packed_gqa(strategy_key, gpu_kernels):
+  """Every strategy with the GPU kernels: GQA 4:1, packed documents of random lengths (some shorter than a block,
+  padding in one row), both layouts, forward and dq/dk/dv."""
+  check(strategy_key, "ctx8", "gqa4", masks=("packed",), kernel="flash_gpu")
+
+
+@pytest.mark.parametrize("strategy_key", ["ring", "usp4"])
+def test_flash_gpu_mha_causal(strategy_key, gpu_kernels):
+  check(strategy_key, "ctx8", "mha", masks=("causal",), kernel="flash_gpu")
+
+
+@pytest.mark.parametrize("strategy_key", ["ring", "usp2"])
+def test_flash_gpu_bfloat16(strategy_key, gpu_kernels):
+  check(strategy_key, "ctx8", "gqa4", jnp.bfloat16, masks=("packed",), zigzag=(True,), kernel="flash_gpu")
+
+
+@pytest.mark.parametrize("strategy_key", ["ring", "usp2"])
+def test_flash_gpu_one_kv_head_per_pass(strategy_key, gpu_kernels, monkeypatch):
+  """Passes of one KV head (q, dout and delta read at a head offset); under usp2 sub-chunks of whole key blocks."""
+  monkeypatch.setattr(ring, "PASS_BYTES", 1)
+  n, _, _, subs = plan(strategy_key, "gqa4", "flash_gpu")
+  assert n > 1 and subs == (2 if strategy_key == "usp2" else 1)
+  check(strategy_key, "ctx8", "gqa4", masks=("packed",), zigzag=(True,), kernel="flash_gpu")

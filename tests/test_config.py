@@ -115,6 +115,6 @@ def test_replace_is_validated():
 
 def test_every_shipped_config_loads():
   root = pathlib.Path(config.CONFIG_DIR)
-  for path in sorted(root.glob("*.yml")) + sorted(root.glob("recipes/*.yml")):
+  for path in sorted(root.glob("*.yml")) + sorted(root.glob("recipes/*.yml")) + sorted(root.glob("recipes/gpu/*.yml")):
     if path.name != "base.yml":
       config.load(path)

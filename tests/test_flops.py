@@ -34,3 +34,20 @@ def test_flops_of_llama_8b_at_14m_tokens_are_attention_dominated():
   weights = 6.0 * metrics.matmul_params(m) * 14_680_064
   assert total == pytest.approx(1.7e20, rel=0.1)  # design.md's figure
   assert (total - weights) / total > 0.99
+
+
+def test_peak_memory_is_the_largest_device_peak_and_absent_where_the_runtime_does_not_count(monkeypatch):
+  """The step line's "peak X GiB" (GPU/TPU): the most any local device has held; on the CPU, whose devices keep no
+  memory statistics, nothing rather than a made-up 0."""
+  class Device:
+    def __init__(self, stats):
+      self.stats = stats
+
+    def memory_stats(self):
+      return self.stats
+
+  monkeypatch.setattr(metrics.jax, "local_devices",
+                      lambda: [Device({"peak_bytes_in_use": 3 * 2**30}), Device({"peak_bytes_in_use": 5 * 2**29})])
+  assert metrics.peak_memory_gib() == 3.0
+  monkeypatch.setattr(metrics.jax, "local_devices", lambda: [Device(None), Device({})])
+  assert metrics.peak_memory_gib() is None

@@ -61,9 +61,9 @@ register("reference", KernelSpec(make=lambda bq, bk: reference,
                                  parts=lambda bq, bk: Blockwise(_WHOLE, _WHOLE, upcast=True)))
 register("blockwise", KernelSpec(make=lambda bq, bk: attend_fn(Blockwise(bq, bk)),
                                  parts=lambda bq, bk: Blockwise(bq, bk)))
-# flash serves every strategy on TPU; off it (tests) it runs in the Pallas interpreter and cudnn through XLA, and
-# validate refuses training with either there.
-register("flash", KernelSpec(make=flash.make, parts=flash.parts, platforms=("tpu",), check=flash.check))
+# flash serves every strategy on TPU and GPU; off them (tests) it runs in the Pallas interpreter, cudnn off the GPU
+# through XLA, and validate refuses training with either there.
+register("flash", KernelSpec(make=flash.make, parts=flash.parts, platforms=("tpu", "gpu"), check=flash.check))
 register("cudnn", KernelSpec(make=cudnn.make, platforms=("gpu",)))
 
 
