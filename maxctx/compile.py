@@ -108,6 +108,7 @@ class CompileReport:
   required_is_lower_bound: bool = False
   error: str | None = None
   inspected: dict[str, Any] = dataclasses.field(default_factory=dict)  # what compile_for's `inspect` added
+  step: dict[str, Any] | None = None    # `step_key` of the config compiled (None in reports from before it)
 
   @property
   def total_bytes(self) -> int | None:
@@ -129,6 +130,32 @@ class CompileReport:
     if tree.get("memory") is not None:
       tree["memory"] = Memory(**{k: v for k, v in tree["memory"].items() if k != "total"})
     return cls(**tree)
+
+
+def step_key(config: Config) -> dict[str, Any]:
+  """What a compile proves fit for: the topology and slice count, the mesh (its -1 resolved) and every key that
+  shapes the step's buffers (model, attention, tokens per batch, gradient accumulation). Configs with equal keys
+  compile to the same step whatever else differs (run name, steps, data source, learning rate, output dir)."""
+  from maxctx import mesh as mesh_lib
+  topo = topology_lib.resolve(config.compile.topology)
+  num_slices = config.compile.num_slices
+  ici, dcn = mesh_lib.resolve_axes(config.mesh, topo.devices * num_slices, num_slices)
+  return {"topology": topo.name, "num_slices": num_slices, "mesh": {"ici": ici, "dcn": dcn},
+          "model": dataclasses.asdict(config.model), "attention": dataclasses.asdict(config.attention),
+          "data": {"seq_len": config.data.seq_len, "batch_size": config.data.batch_size},
+          "optim": {"grad_accum": config.optim.grad_accum}}
+
+
+def first_difference(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> tuple[str, Any, Any] | None:
+  """(dotted key, a's value, b's value) of the first key in which two nested dicts differ, or None."""
+  for key in list(a) + [k for k in b if k not in a]:
+    x, y = a.get(key), b.get(key)
+    if isinstance(x, dict) and isinstance(y, dict):
+      if found := first_difference(x, y, f"{prefix}{key}."):
+        return found
+    elif x != y:
+      return f"{prefix}{key}", x, y
+  return None
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -223,7 +250,7 @@ def compile_for(config: Config, inspect: Callable[[Any], dict[str, Any]] | None 
       context_degree=sizes["context"], remat=m.remat, loss_chunk=m.loss_chunk, mlp_chunk=m.mlp_chunk,
       block_q=a.block_q, block_kv=a.block_kv, params=metrics_lib.param_count(m), flops_per_step=flops,
       flops_per_device=flops / n, seconds_at_peak=flops / n / (peak_tflops * 1e12) if peak_tflops else None,
-      hbm_per_device_bytes=topo.hbm_bytes)
+      hbm_per_device_bytes=topo.hbm_bytes, step=step_key(config))
   start = time.perf_counter()
   # The abstract mesh: tracing sees the axis sizes, and nothing (not even the init's PRNG key) is placed on the
   # compile-only devices, which cannot hold data.

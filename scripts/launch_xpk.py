@@ -6,14 +6,18 @@
 
 Builds the `xpk workload create` command that runs `python -m maxctx.train <recipe>` on every host of the slices,
 prints it, and runs it unless --dry-run. The recipe is checked against the TPU type first (mesh sizes, slice count,
-strategy constraints), so a config that cannot run fails here, not after the pods are scheduled. The image must hold
-this repository at its working directory (docker/Dockerfile does), so the recipe is passed by its repository path.
+strategy constraints), so a config that cannot run fails here, not after the pods are scheduled. Fit is checked too:
+a recipe runs as compiled for its own `compile` section (the README's table); a launch that changes the step (another
+TPU type or slice count, or overrides of its shape) needs `--fit-report`, the JSON of a `maxctx.compile` of that step
+that says it fits. The image must hold this repository at its working directory (docker/Dockerfile does), so the
+recipe is passed by its repository path.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import pathlib
 import re
@@ -26,6 +30,7 @@ ROOT = pathlib.Path(os.path.abspath(__file__)).parent.parent
 sys.path.insert(0, str(ROOT))
 
 from maxctx import compile as compile_lib  # noqa: E402
+from maxctx import config as config_lib  # noqa: E402
 from maxctx import topology as topology_lib  # noqa: E402
 from maxctx.errors import ConfigError, MaxctxError  # noqa: E402
 
@@ -53,6 +58,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
   p.add_argument("--max-restarts", type=int, default=0, help="restarts of the whole job after a failure (resume "
                  "from the last checkpoint)")
   p.add_argument("--xpk", default="xpk", help="the xpk executable")
+  p.add_argument("--fit-report", metavar="JSON", help="`python -m maxctx.compile RECIPE ... --json` output proving "
+                 "that the launched step fits, needed when it differs from the recipe's own compile section")
   p.add_argument("--dry-run", action="store_true", help="print the command and check the recipe; launch nothing")
   if "--" in argv:
     cut = argv.index("--")
@@ -95,9 +102,10 @@ def build_command(args: argparse.Namespace, overrides: list[str]) -> tuple[list[
     train_overrides.append(f"mesh.dcn.{args.dcn_axis}={args.num_slices}")
   if args.output_dir:
     train_overrides.append(f"run.output_dir={args.output_dir.rstrip('/')}/{workload}")
-  config = _load(recipe, train_overrides, args.tpu_type)
+  config = _load(recipe, train_overrides, args.tpu_type, args.num_slices)
   topo = topology_lib.resolve(args.tpu_type or config.compile.topology)
   _check_fits_slices(config, topo, args.num_slices)
+  _check_fit_is_proven(recipe, config, train_overrides, args.fit_report)
 
   train = ["python", "-m", "maxctx.train", repo_path(recipe), *train_overrides]
   command = shlex.join(train)
@@ -110,8 +118,9 @@ def build_command(args: argparse.Namespace, overrides: list[str]) -> tuple[list[
   return xpk, command
 
 
-def _load(recipe: pathlib.Path, overrides: list[str], tpu_type: str | None):
+def _load(recipe: pathlib.Path, overrides: list[str], tpu_type: str | None, num_slices: int):
   extra = [f"compile.topology={tpu_type}"] if tpu_type else []
+  extra.append(f"compile.num_slices={num_slices}")
   try:
     return compile_lib.load(str(recipe), overrides + extra)
   except ConfigError as e:
@@ -130,6 +139,50 @@ def _check_fits_slices(config, topo: topology_lib.Topology, num_slices: int) -> 
     hint = " (or pass --dcn-axis)" if "mesh.dcn" in str(e) else ""
     raise ConfigError(f"the recipe cannot run on {num_slices} × {topo.name} ({topo.devices * num_slices} devices): "
                       f"{str(e).rstrip('.')}{hint}.") from None
+
+
+def _check_fit_is_proven(recipe: pathlib.Path, config, overrides: list[str], fit_report: str | None) -> None:
+  """Refuses a launch whose step no compile has shown to fit: one that differs from the recipe's own compile section
+  (`compile.topology`, `compile.num_slices`: what the README's table compiled) without a fit report for it."""
+  target = compile_lib.step_key(config)
+  where = f"{config.compile.num_slices} × {target['topology']}"
+  if fit_report is None:
+    own = config_lib.load(str(recipe))
+    if own.compile.topology:
+      try:
+        difference = compile_lib.first_difference(compile_lib.step_key(own), target)
+      except ConfigError:   # the recipe's mesh does not fit its own topology: nothing of it was compiled
+        difference = ("compile.topology", own.compile.topology, target["topology"])
+      if difference is None:
+        return
+      key, was, now = difference
+      why = (f"recipe {recipe} was compiled for {own.compile.num_slices} × {own.compile.topology} (its compile "
+             f"section), not for {where}" if key in ("topology", "num_slices") else
+             f"this launch changes {key} of recipe {recipe} from {was} to {now}")
+    else:
+      why = f"recipe {recipe} has no compile.topology, so no compile has checked it"
+    check = shlex.join(["python", "-m", "maxctx.compile", repo_path(recipe), f"compile.topology={target['topology']}",
+                        f"compile.num_slices={config.compile.num_slices}", *overrides, "--json"])
+    raise ConfigError(f"{why}, so nothing shows that it fits in {where}'s HBM; check it with `{check} > fit.json` "
+                      "(minutes on one CPU core, no TPU) and pass --fit-report fit.json.")
+  try:
+    report = compile_lib.CompileReport.from_json(json.loads(pathlib.Path(fit_report).read_text()))
+  except (OSError, ValueError, TypeError) as e:
+    raise ConfigError(f"--fit-report {fit_report} is not a report of `python -m maxctx.compile ... --json` ({e}); "
+                      "write it with that command.") from None
+  if report.step is None:
+    raise ConfigError(f"--fit-report {fit_report} comes from a maxctx.compile that did not record the step it "
+                      "compiled; compile again with this version and pass the new report.")
+  if difference := compile_lib.first_difference(report.step, target):
+    key, was, now = difference
+    raise ConfigError(f"--fit-report {fit_report} was compiled with {key}={was}, but this launch has {key}={now}; "
+                      "compile the launched step (the same recipe, --tpu-type, --num-slices and overrides) and pass "
+                      "that report.")
+  if not report.fits:
+    over = f" by {report.over_bytes / 2**30:.1f} GiB" if report.over_bytes else ""
+    raise ConfigError(f"--fit-report {fit_report} says the step does not fit in {where}'s HBM{over}; choose a "
+                      "larger slice, more slices or a lighter config (python -m maxctx.bench --topology compares "
+                      "them).")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -116,6 +116,11 @@ def test_over_hbm_is_reported_not_raised(tiny_path, capsys):
   report = json.loads(capsys.readouterr().out)
   assert not report["fits"] and report["memory"] is None and report["error"]
   assert report["over_bytes"] is None or report["over_bytes"] > 0
+  # The report names the step it compiled, through JSON, as the launcher's --fit-report compares it.
+  config = compile_lib.load(tiny_path, ["compile.topology=v5e-4", "attention.strategy=all_gather",
+                                        "attention.kernel=reference", "data.seq_len=65536", "data.batch_size=1"])
+  assert compile_lib.CompileReport.from_json(report).step == compile_lib.step_key(config)
+  assert compile_lib.step_key(config)["mesh"]["ici"] == {"data": 1, "fsdp": 1, "context": 4, "tensor": 1}
 
 
 @needs_libtpu

@@ -1,7 +1,9 @@
 """scripts/launch_xpk.py builds the `xpk workload create` command for every recipe; the images install what
 pyproject.toml declares; the JobSet example asks for as many hosts as its slice has."""
 
+import dataclasses
 import importlib.util
+import json
 import pathlib
 import re
 import shlex
@@ -10,6 +12,7 @@ import tomllib
 import pytest
 import yaml
 
+from maxctx import compile as compile_lib
 from maxctx import topology
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -45,10 +48,25 @@ def test_dry_run_prints_the_command(recipe, capsys):
                                              "run.output_dir=gs://bucket/runs/w1"]
 
 
-def test_multislice_sets_the_dcn_axis(capsys):
+def _fit_report(tmp_path, recipe: str, overrides: list[str], fits: bool = True) -> str:
+  """A `maxctx.compile --json` report for `recipe` with `overrides` that says `fits`: the fields the launcher reads
+  are the compile's own (`step_key`); the rest are placeholders (a real report's round trip is tested in
+  test_compile)."""
+  config = compile_lib.load(recipe, overrides)
+  tree = {f.name: 0 for f in dataclasses.fields(compile_lib.CompileReport)
+          if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+  tree.update(step=compile_lib.step_key(config), fits=fits, over_bytes=0 if fits else 3 * 2**30)
+  path = tmp_path / "fit.json"
+  path.write_text(json.dumps(tree))
+  return str(path)
+
+
+def test_multislice_sets_the_dcn_axis(tmp_path, capsys):
   recipe = str(RECIPES[0].relative_to(ROOT))
+  fit = _fit_report(tmp_path, recipe, ["compile.num_slices=2", "mesh.dcn.context=2"])
   assert launch_xpk.main([recipe, "--cluster", "c", "--image", "i", "--dry-run", "--tpu-type", "tpu7x-128",
-                          "--num-slices", "2", "--dcn-axis", "context", "--project", "p", "--zone", "z"]) == 0
+                          "--num-slices", "2", "--dcn-axis", "context", "--project", "p", "--zone", "z",
+                          "--fit-report", fit]) == 0
   flags = _flags(shlex.split(capsys.readouterr().out.strip()))
   assert (flags["--num-slices"], flags["--project"], flags["--zone"]) == ("2", "p", "z")
   assert "mesh.dcn.context=2" in shlex.split(flags["--command"])
@@ -64,6 +82,54 @@ def test_refuses_what_cannot_run(argv, words, capsys):
   recipe = str(RECIPES[0].relative_to(ROOT))
   assert launch_xpk.main([recipe, "--cluster", "c", "--image", "i", "--dry-run", *argv]) == 2
   assert words in capsys.readouterr().err
+
+
+V7_14M = "configs/recipes/llama3.1-8b-14m-ring-tpu7x-128.yml"
+LAUNCH = [V7_14M, "--cluster", "c", "--image", "i", "--dry-run"]
+
+
+@pytest.mark.parametrize("argv, words", [
+    # The v7 recipe needs 126 GiB per device, more than a v5p device's 95: the shapes allow it, the HBM does not.
+    (["--tpu-type", "v5p-128"], ["was compiled for 1 × tpu7x-128", "not for 1 × v5p-128",
+                                 "python -m maxctx.compile configs/recipes/llama3.1-8b-14m-ring-tpu7x-128.yml "
+                                 "compile.topology=v5p-128 compile.num_slices=1 --json > fit.json",
+                                 "--fit-report fit.json"]),
+    (["--", "data.seq_len=16777216"], ["changes data.seq_len", "from 14680064 to 16777216",
+                                       "compile.topology=tpu7x-128 compile.num_slices=1 data.seq_len=16777216 --json"]),
+])
+def test_a_launch_no_compile_has_shown_to_fit_is_refused(argv, words, capsys):
+  """Acceptance 7 of the planner issue: launching checks fit, not only shape."""
+  assert launch_xpk.main([*LAUNCH, *argv]) == 2
+  err = capsys.readouterr().err
+  assert all(w in err for w in words), err
+  assert err.count("\n") == 1 and err.startswith("error: ")     # one sentence
+
+
+def test_a_fit_report_for_the_launched_step_lets_it_launch(tmp_path, capsys):
+  fit = _fit_report(tmp_path, V7_14M, ["compile.topology=v5p-128", "model.remat=full_offload"])
+  assert launch_xpk.main([*LAUNCH, "--tpu-type", "v5p-128", "--fit-report", fit, "--",
+                          "model.remat=full_offload", "run.steps=3"]) == 0
+  assert _flags(shlex.split(capsys.readouterr().out))["--tpu-type"] == "v5p-128"
+
+
+@pytest.mark.parametrize("report_overrides, fits, words", [
+    (["compile.topology=v5p-128"], False, "says the step does not fit in 1 × v5p-128's HBM by 3.0 GiB"),
+    (["compile.topology=v5p-128", "model.remat=none"], True,
+     "was compiled with model.remat=none, but this launch has model.remat=full"),
+    (["compile.topology=tpu7x-128"], True,
+     "was compiled with topology=tpu7x-128, but this launch has topology=v5p-128"),
+])
+def test_a_fit_report_that_does_not_prove_the_launch_is_refused(tmp_path, capsys, report_overrides, fits, words):
+  fit = _fit_report(tmp_path, V7_14M, report_overrides, fits=fits)
+  assert launch_xpk.main([*LAUNCH, "--tpu-type", "v5p-128", "--fit-report", fit]) == 2
+  assert words in capsys.readouterr().err
+
+
+def test_a_fit_report_that_is_not_one_is_refused(tmp_path, capsys):
+  bad = tmp_path / "fit.json"
+  bad.write_text('{"fits": true}')
+  assert launch_xpk.main([*LAUNCH, "--tpu-type", "v5p-128", "--fit-report", str(bad)]) == 2
+  assert "is not a report of `python -m maxctx.compile ... --json`" in capsys.readouterr().err
 
 
 def test_workload_name_is_kubernetes_safe():
