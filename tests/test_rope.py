@@ -5,6 +5,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from maxctx.model import rope
 
@@ -15,12 +16,14 @@ def _llama8b_inv_freq():
   return rope.inv_frequencies(128, 500000.0, True, 8.0, 1.0, 4.0, 8192)
 
 
-def test_cos_sin_match_float64_up_to_14m_positions():
+@pytest.mark.parametrize("max_position", [MAX_POSITION, 2**25])   # the 14M recipes; 33,554,432 tokens (the planner's)
+def test_cos_sin_match_float64_at_every_trained_position(max_position):
   inv_freq = _llama8b_inv_freq()
   rng = np.random.default_rng(0)
-  positions = np.concatenate([np.arange(0, 5000), MAX_POSITION - 1 - np.arange(5000),
-                              rng.integers(0, MAX_POSITION, 20000), [2**23, 2**23 + 1, 4095, 4096, 4097]])
-  cos, sin = jax.jit(lambda p: rope.cos_sin(p, inv_freq, MAX_POSITION - 1))(jnp.asarray(positions, jnp.int32))
+  edges = np.array([4095, 4096, 4097, 2**23, 2**23 + 1, 2**24 - 1, 2**24])   # digit carries, float32's 2^24
+  positions = np.concatenate([np.arange(0, 5000), max_position - 1 - np.arange(5000),
+                              rng.integers(0, max_position, 20000), edges[edges < max_position]])
+  cos, sin = jax.jit(lambda p: rope.cos_sin(p, inv_freq, max_position - 1))(jnp.asarray(positions, jnp.int32))
   angles = np.outer(positions.astype(np.float64), inv_freq)
   assert np.max(np.abs(np.asarray(cos, np.float64) - np.cos(angles))) <= 1e-6
   assert np.max(np.abs(np.asarray(sin, np.float64) - np.sin(angles))) <= 1e-6
