@@ -249,10 +249,10 @@ class _Reporter:
     values["tflops_per_device"] = self.flops / step_time / self.n_devices / 1e12
     values["mfu"] = values["tflops_per_device"] / self.peak if self.peak else 0.0
     values.pop("tokens")
-    if (peak := metrics_lib.peak_memory_gib()) is not None:
-      values["peak_memory_gib"] = peak
     n = step + 1
     if n % config.metrics.log_every == 0 or n == config.run.steps:
+      if (peak := metrics_lib.peak_memory_gib()) is not None:   # read only on the steps that log it
+        values["peak_memory_gib"] = peak
       self.writer.scalars(n, values)
       typical = float(np.median(self.steady)) if self.steady else step_time
       self.writer.console(n, values, typical * (config.run.steps - n))
