@@ -1,10 +1,12 @@
-"""The passkey demo's guard: its training rows ask what the eval asks, where the eval asks it, and its first 1,000 steps
-(two thirds of configs/demo-passkey.yml, on its own schedule and seed 0) already retrieve the passkey at the training
-length. Other seeds get there between steps 1,000 and 1,500; scripts/bench_passkey_demo.py measures them.
+"""The passkey demo's guard: its training rows ask what the eval asks, where the eval asks it, and the demo as users run
+it (configs/demo-passkey.yml: its steps, schedule and seed) retrieves the passkey at the training length by its last
+step. scripts/bench_passkey_demo.py measures the demo on other seeds and the README quotes it.
 
 The demo's model learns where the answer's digits sit as much as what they are: rows built one token longer than the
 eval's examples put every answer one position later, and the demo then scored 0% at 128 tokens while its training loss
-looked fine (issue #20). The full demo is measured by its README command; this is the part CI can afford.
+looked fine (issue #20). Retrieval appears suddenly, and when depends on the CPU's floating point as much as on the
+seed: at 3e-3 for 1,500 steps seed 0 had it by step 1,000 on one CPU and only at step 1,300 on another, so a guard cut
+short at step 1,000 passed on the first and failed on the second. The guard therefore runs the whole demo.
 """
 
 import jax
@@ -41,11 +43,8 @@ def test_training_rows_put_the_answer_where_the_eval_asks_for_it(pieces, seq_len
 
 
 @pytest.mark.slow
-def test_demo_retrieves_the_passkey_after_1000_of_its_steps(tmp_path):
-  demo = config_lib.load("configs/demo-passkey.yml", [])
-  decay = demo.run.steps - demo.optim.warmup_steps  # the demo's own schedule, cut short
-  c = config_lib.load("configs/demo-passkey.yml", [f"run.output_dir={tmp_path}", "run.steps=1000",
-                                                   f"optim.decay_steps={decay}", "eval.every_steps=0"])
+def test_demo_retrieves_the_passkey_by_its_last_step(tmp_path):
+  c = config_lib.load("configs/demo-passkey.yml", [f"run.output_dir={tmp_path}", "eval.every_steps=0"])
   params = train.fit(c).state.params
   mesh = mesh_lib.build_mesh(c.mesh)
   with jax.set_mesh(mesh):
@@ -53,4 +52,5 @@ def test_demo_retrieves_the_passkey_after_1000_of_its_steps(tmp_path):
   accuracy = np.mean([r["correct"] for r in records])
   logprob = np.mean([r["logprob"] for r in records])
   assert len(records) == 40
-  assert accuracy >= 0.9, f"passkey@128 after 1,000 steps: {accuracy:.0%} (mean answer log-prob {logprob:.2f})"
+  assert accuracy >= 0.9, (f"passkey@128 after the demo's {c.run.steps:,} steps: {accuracy:.0%} "
+                           f"(mean answer log-prob {logprob:.2f})")
