@@ -90,9 +90,9 @@ def test_missing_topology_is_a_config_error(tmp_path):
     compile_lib.load(str(path), ["compile.topolgy=v5p-8"])
 
 
-# Each strategy compiled once, on one of the two generations, so that both are compiled for every kind of collective
-# (which collectives a strategy issues does not depend on the chip); test_flash_kernel_runs_inside_the_ring compiles
-# ring and usp for both as well. Every pair costs a TPU compile of 0.5-2 minutes of CI's 2 cores.
+# Each strategy compiled once, two on each generation (which collectives a strategy issues does not depend on the
+# chip); test_flash_kernel_runs_inside_the_ring compiles ring and usp, whose collectives are every kind named here, on
+# both. Every pair costs a TPU compile of 0.5-2 minutes of CI's 2 cores.
 @needs_libtpu
 @pytest.mark.parametrize("strategy,topo", [pytest.param("all_gather", "tpu7x:2x2x1", marks=pytest.mark.slow),
                                            ("ulysses", "v5p:2x2x1"),
