@@ -25,6 +25,7 @@ import time
 from typing import Any, Callable
 
 from maxctx import config as config_lib
+from maxctx import console
 from maxctx import hlo as hlo_lib
 from maxctx import scopes
 from maxctx import topology as topology_lib
@@ -356,7 +357,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
   args = _parser().parse_intermixed_args(sys.argv[1:] if argv is None else argv)
   # The report goes to stdout; progress and libtpu's chatter to stderr, so `--json > report.json` stays clean.
-  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S", stream=sys.stderr)
+  console.setup("stderr")
 
   def body():
     config = load(args.config, args.overrides)

@@ -28,6 +28,7 @@ import numpy as np
 
 from maxctx import checkpoint as checkpoint_lib
 from maxctx import config as config_lib
+from maxctx import console
 from maxctx import data as data_lib
 from maxctx import distributed
 from maxctx import mesh as mesh_lib
@@ -43,12 +44,10 @@ log = logging.getLogger("maxctx")
 
 def setup_logging() -> None:
   prefix = f"[process {jax.process_index()}] " if jax.process_count() > 1 else ""
-  logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {prefix}%(message)s", datefmt="%H:%M:%S",
-                      stream=sys.stdout, force=True)
-  # Orbax and grain log each file they write at INFO through absl; maxctx logs one line per save and restore instead.
-  absl = logging.getLogger("absl")
-  absl.setLevel(logging.WARNING)
-  absl.addFilter(_reported_by_maxctx)
+  # Orbax and grain log each file they write at INFO through absl (left at WARNING); maxctx logs one line per save
+  # and restore instead.
+  console.setup("stdout", prefix=prefix)
+  logging.getLogger("absl").addFilter(_reported_by_maxctx)
 
 
 def _reported_by_maxctx(record: logging.LogRecord) -> bool:

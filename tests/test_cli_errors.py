@@ -217,3 +217,22 @@ def test_train_errors_print_only_the_sentence_on_stderr(tmp_path):
 
 def test_catalogue_is_large():
   assert len(CASES) >= 60 and len({c[0] for c in CASES}) == len(CASES)
+
+
+def test_log_lines_go_to_the_stream_of_the_moment():
+  # Entry points run in-process by tests (and notebooks) set up logging while one stdout is in place and log after it
+  # was replaced and closed: the handler must write to the current one, never to the closed one.
+  import io
+  import logging
+  from maxctx import console
+  old = sys.stdout
+  try:
+    sys.stdout = first = io.StringIO()
+    console.setup("stdout")
+    first.close()
+    sys.stdout = second = io.StringIO()
+    logging.getLogger("maxctx").info("after the swap")
+  finally:
+    sys.stdout = old
+    logging.basicConfig(force=True)   # no handler left pointing at the test's streams
+  assert "after the swap" in second.getvalue()

@@ -19,6 +19,7 @@ import pathlib
 import sys
 
 from maxctx import config as config_lib
+from maxctx import console
 from maxctx import metrics as metrics_lib
 from maxctx.bench import plan as plan_lib
 from maxctx.bench import plots, report
@@ -53,9 +54,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _setup_logging() -> None:
-  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S", stream=sys.stderr,
-                      force=True)
-  logging.getLogger("absl").setLevel(logging.WARNING)
+  console.setup("stderr")
   logging.getLogger("maxctx.data").setLevel(logging.WARNING)
 
 

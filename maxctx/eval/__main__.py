@@ -19,6 +19,7 @@ import sys
 import jax
 
 from maxctx import config as config_lib
+from maxctx import console
 from maxctx import mesh as mesh_lib
 from maxctx import sharding
 from maxctx import train as train_lib
@@ -77,8 +78,7 @@ def run(config: config_lib.Config, plan: sweep_lib.Plan, out_dir: pathlib.Path, 
 def main(argv: list[str] | None = None) -> int:
   args = _parser().parse_intermixed_args(sys.argv[1:] if argv is None else argv)
   # maxctx at INFO; libraries (Orbax logs every array it writes) only when they warn.
-  logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s", datefmt="%H:%M:%S", stream=sys.stdout,
-                      force=True)
+  console.setup("stdout", level=logging.WARNING)
   logging.getLogger("maxctx").setLevel(logging.INFO)
 
   def body():
