@@ -1,7 +1,7 @@
 """A user's mistake ends the command with one sentence, and nothing else.
 
-A catalogue of bad inputs to every entry point (maxctx.train, maxctx.eval, maxctx.bench, maxctx.compile and
-scripts/convert_hf.py), each run as the user runs it: exit code 2, exactly one stderr line starting with `error:`, no
+A catalogue of bad inputs to every entry point (maxctx.train, maxctx.eval, maxctx.bench, maxctx.plan,
+maxctx.compile and scripts/convert_hf.py), each run as the user runs it: exit code 2, exactly one stderr line starting with `error:`, no
 traceback anywhere, and nothing under run.output_dir created or changed. Almost every case stops before JAX compiles
 anything; the few that need a fault the machine cannot produce (no libtpu) go through tests/faults/inject.py.
 """
@@ -64,7 +64,7 @@ def fx(tmp_path_factory) -> dict[str, pathlib.Path]:
 
 
 # (id, entry point, arguments, fragments of the sentence). In arguments, {OUT} is this case's run.output_dir and
-# {F} the fixture directory. Entry points: train, eval, bench, compile (python -m maxctx.<name> configs/demo.yml
+# {F} the fixture directory. Entry points: train, eval, bench, plan, compile (python -m maxctx.<name> configs/demo.yml
 # run.output_dir={OUT} ...), convert (python scripts/convert_hf.py ...), and inject:<fault>:<module> (the module's
 # command under tests/faults/inject.py).
 CASES = [
@@ -155,6 +155,10 @@ CASES = [
     ("bench-bad-length", "bench", ["--lengths=10q"], ["10q"]),
     ("bench-steps-zero", "bench", ["--steps=0"], ["--steps 0"]),
     ("bench-unknown-topology", "bench", ["--topology=v9x-8"], ["v9x-8"]),
+    # maxctx.plan
+    ("plan-unknown-strategy", "plan", ["--strategies=rings"], ["rings"]),
+    ("plan-bad-remat", "plan", ["--remat=none,fulll"], ["fulll", "not a remat policy"]),
+    ("plan-nothing-valid", "plan", ["--strategies=ulysses", "--lengths=98"], ["no candidate can run"]),
     # maxctx.compile
     ("compile-no-topology", "compile", [], ["no TPU topology"]),
     ("compile-bad-topology", "compile", ["compile.topology=v5p-7"], ["v5p-7"]),

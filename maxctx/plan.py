@@ -1,0 +1,258 @@
+"""Which strategy, which split of the devices, which memory policy: a plan measured on the devices present.
+
+    python -m maxctx.plan configs/bench.yml [section.key=value ...] [--lengths 512,1k] [--remat none,full]
+        [--strategies none,all_gather,ulysses,ring,usp] [--steps 3] [--out DIR]
+
+Candidates, for each length: every strategy at every context degree that divides the devices left by the run's data
+and tensor axes (the rest on fsdp), usp at every ulysses degree between 1 and its context degree, `none` (no context
+parallelism, context 1), each under every remat policy of `--remat` (default: the run's). `maxctx.trainer.validate`
+checks each; what it refuses is listed with its sentence. Each valid candidate then trains a few steps on the devices
+present (`maxctx.bench.measure`: the same model, data and global batch every time, so the candidates differ only in
+how they are split), and the plan for a length is the candidate with the most tokens/s. This is the measured mode of
+the planner; the mode that plans for a TPU slice from a cost model without running (issue 18) is not built yet, so
+for a pod use `python -m maxctx.bench CONFIG --topology ...` and `maxctx.compile`.
+
+Writes to --out (default <run.output_dir>/plan): plan.md (every candidate, ranked), plan.jsonl (one record each) and
+recipe.yml -- the run file with the chosen strategy, mesh and remat, which `maxctx.train` and `maxctx.compile` take as
+is (with several lengths, recipe-<length>.yml for each). Timings on fake CPU devices share the host's cores: they rank
+the candidates' overheads on this machine, not accelerator speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import pathlib
+import sys
+from typing import Any
+
+import yaml
+
+from maxctx import config as config_lib
+from maxctx import console
+from maxctx import mesh as mesh_lib
+from maxctx.bench import plan as cases_lib
+from maxctx.bench import report
+from maxctx.config import MESH_AXES, Config
+from maxctx.errors import ArgumentParser, ConfigError, exit_code
+
+log = logging.getLogger("maxctx.plan")
+
+REMATS = ("none", "save_attention_out", "full", "full_offload")
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+  """One way to run the same training: a strategy, its context (and ulysses) degree, a remat policy."""
+  strategy: str                   # a registered strategy, or `none`
+  context: int
+  ulysses: int | None
+  remat: str
+  case: cases_lib.Case            # the validated config (or the refusal) at one length
+
+  @property
+  def label(self) -> str:
+    u = f" u={self.ulysses}" if self.ulysses else ""
+    return f"{self.strategy} c={self.context}{u} remat={self.remat}"
+
+  @property
+  def overrides(self) -> dict[str, Any]:
+    """The run-file keys this candidate sets: strategy, ulysses degree, the mesh's ICI and DCN sizes, remat."""
+    c = self.case.config
+    out: dict[str, Any] = {"attention.strategy": c.attention.strategy,
+                           "attention.ulysses_degree": c.attention.ulysses_degree, "model.remat": c.model.remat}
+    for level in ("ici", "dcn"):
+      out.update({f"mesh.{level}.{a}": getattr(getattr(c.mesh, level), a) for a in MESH_AXES})
+    return out
+
+
+def _divisors(n: int) -> list[int]:
+  return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(base: Config, strategies: list[str], seq_len: int, remats: list[str], num_devices: int,
+               num_slices: int = 1, steps: int | None = None, platform: str | None = None) -> list[Candidate]:
+  """Every candidate at `seq_len`, valid or refused, in a fixed order (strategy, context, ulysses, remat)."""
+  ici, dcn = mesh_lib.resolve_axes(base.mesh, num_devices, num_slices)
+  free = ici["fsdp"] * ici["context"]   # the ICI devices that context and fsdp share
+  out = []
+  for strategy in strategies:
+    degrees = [1] if strategy == cases_lib.NONE else [d for d in _divisors(free) if d > 1]
+    for context in degrees:
+      ulysses = [u for u in _divisors(context) if 1 < u < context] if strategy == "usp" else [None]
+      for u in ulysses:
+        for remat in remats:
+          config = base.replace(**{"model.remat": remat, "attention.ulysses_degree": u,
+                                   "mesh.ici.context": context, "mesh.ici.fsdp": free // context})
+          case = cases_lib.configure(config, strategy, seq_len, num_devices, num_slices, steps=steps,
+                                     platform=platform)
+          out.append(Candidate(strategy, context * dcn["context"], u, remat, case))
+  return out
+
+
+def _record(cand: Candidate) -> report.Record:
+  rec = report.Record(strategy=cand.strategy, seq_len=cand.case.seq_len, length=cases_lib.tokens(cand.case.seq_len))
+  if cand.case.refused:
+    rec.set(status="refused", reason=cand.case.refused)
+  return rec
+
+
+def measure_all(cands: list[Candidate], steps: int) -> list[report.Record]:
+  """Trains each valid candidate for 1 warm-up + `steps` timed + 1 profiled step; logs each as it finishes."""
+  import jax
+  from maxctx.bench import measure
+  records = []
+  valid = [c for c in cands if c.case.config is not None]
+  for i, cand in enumerate(valid, 1):
+    rec = _record(cand)
+    try:
+      rec.set(status="ok", **measure.run(cand.case, measure.Steps(warmup=1, timed=steps, traced=1)))
+      log.info("[%d/%d] %s at %s: %s tokens/s, step %.3f s", i, len(valid), cand.label, rec.length,
+               f"{rec.tokens_per_s:,.0f}", rec.step_time_s)
+    except jax.errors.JaxRuntimeError as e:  # e.g. out of memory: this candidate does not fit here
+      rec.set(status="failed", reason=str(e).splitlines()[0][:300])
+      log.info("[%d/%d] %s at %s: failed: %s", i, len(valid), cand.label, rec.length, rec.reason)
+    records.append(rec)
+  return records
+
+
+def rank(cands: list[Candidate], records: list[report.Record]) -> list[tuple[Candidate, report.Record]]:
+  """The measured candidates, fastest first; then those that failed, then those refused."""
+  measured = dict(zip([c for c in cands if c.case.config is not None], records))
+  rows = [(c, measured.get(c) or _record(c)) for c in cands]
+  order = {"ok": 0, "failed": 1, "refused": 2}
+  return sorted(rows, key=lambda cr: (order[cr[1].status], -(cr[1].tokens_per_s or 0)))
+
+
+def recipe(path: str, cand: Candidate, overrides: list[str]) -> str:
+  """The run file at `path` with the command line's overrides and the candidate's keys set: what was measured."""
+  tree = yaml.safe_load(pathlib.Path(path).read_text()) or {}
+  if isinstance(tree.get("model"), str):
+    tree["model"] = {"preset": tree["model"]}
+  keys = dict(config_lib.parse_override(o) for o in overrides)
+  keys.update(cand.overrides)
+  keys["data.seq_len"] = cand.case.seq_len
+  for dotted, value in keys.items():
+    node = tree
+    *parents, leaf = dotted.split(".")
+    for p in parents:
+      node = node.setdefault(p, {})
+    node[leaf] = value
+  head = (f"# Planned by python -m maxctx.plan {path}: {cand.label} at {cand.case.seq_len} tokens was the fastest "
+          "measured candidate (see plan.md beside this file).\n")
+  return head + yaml.safe_dump(tree, sort_keys=False)
+
+
+def _mib(n: int | None) -> str:
+  return "—" if n is None else f"{n / 2**20:,.1f}"
+
+
+def markdown(ranked: dict[int, list[tuple[Candidate, report.Record]]], setup: str) -> str:
+  lines = ["# Plan (measured)", "", setup, ""]
+  for seq_len, rows in ranked.items():
+    best = rows[0][1] if rows and rows[0][1].status == "ok" else None
+    lines += [f"## {cases_lib.tokens(seq_len)} tokens", ""]
+    if best is None:
+      lines += ["No candidate ran at this length; the reasons are below.", ""]
+    else:
+      ok = [r for _, r in rows if r.status == "ok"]
+      runner = f"; runner-up {rows[1][0].label} ({ok[1].tokens_per_s:,.0f} tokens/s)" if len(ok) > 1 else ""
+      lines += [f"Chosen: **{rows[0][0].label}**, {best.tokens_per_s:,.0f} tokens/s, the fastest of {len(ok)} "
+                f"measured{runner}.", ""]
+    lines += ["| rank | candidate | mesh | tokens/s | step s (median) | memory per device MiB, compiled total | "
+              "last loss | status |", "|---:|---|---|---:|---:|---:|---:|---|"]
+    for i, (cand, r) in enumerate(rows, 1):
+      mesh = (" × ".join(f"{a}={s}" for a, s in r.mesh.items() if s > 1) or "1 device") if r.mesh else "—"
+      memory = _mib(r.memory_compiled["total"]) if r.memory_compiled else "—"
+      status = "ok" if r.status == "ok" else f"{r.status}: {r.reason}"
+      lines.append(f"| {i if r.status == 'ok' else '—'} | {cand.label} | {mesh} | "
+                   f"{'—' if r.tokens_per_s is None else f'{r.tokens_per_s:,.0f}'} | "
+                   f"{'—' if r.step_time_s is None else f'{r.step_time_s:.3f}'} | {memory} | "
+                   f"{'—' if r.loss is None else f'{r.loss:.6f}'} | {status} |")
+    lines.append("")
+  return "\n".join(lines)
+
+
+def _parser() -> argparse.ArgumentParser:
+  p = ArgumentParser(prog="python -m maxctx.plan", description=__doc__.split("\n\n")[0],
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("config", help="the run's YAML file: model, mesh (data and tensor axes are kept), data, batch")
+  p.add_argument("overrides", nargs="*", help="section.key=value applied to every candidate")
+  p.add_argument("--strategies", default=cases_lib.DEFAULT_STRATEGIES,
+                 help=f"comma-separated; `none` = no context parallelism (default {cases_lib.DEFAULT_STRATEGIES})")
+  p.add_argument("--lengths", help="comma-separated tokens per sequence, k = 2^10, m = 2^20 (default: data.seq_len)")
+  p.add_argument("--remat", help=f"comma-separated remat policies to try, of {', '.join(REMATS)} "
+                                 "(default: the run's model.remat)")
+  p.add_argument("--steps", type=int, default=3, help="timed steps per candidate after one warm-up (default 3)")
+  p.add_argument("--out", help="output directory (default <run.output_dir>/plan)")
+  return p
+
+
+def _remats(text: str | None, config: Config) -> list[str]:
+  names = [s.strip() for s in (text or config.model.remat).split(",") if s.strip()]
+  for name in names:
+    if name not in REMATS:
+      raise ConfigError(f"--remat has {name!r}, which is not a remat policy; choose from {', '.join(REMATS)}.")
+  if not names:
+    raise ConfigError(f"--remat is empty; name at least one of {', '.join(REMATS)}.")
+  return list(dict.fromkeys(names))
+
+
+def run(args: argparse.Namespace) -> int:
+  config = config_lib.load(args.config, args.overrides)
+  strategies = cases_lib.parse_strategies(args.strategies)
+  lengths = cases_lib.lengths(args.lengths) if args.lengths else [config.data.seq_len]
+  remats = _remats(args.remat, config)
+  if args.steps < 1:
+    raise ConfigError(f"--steps is {args.steps}; time at least one step per candidate.")
+  import jax
+  n, slices = len(jax.devices()), mesh_lib.num_slices_of(jax.devices())
+  by_length = {s: candidates(config, strategies, s, remats, n, slices, steps=args.steps + 2) for s in lengths}
+  valid = sum(c.case.config is not None for cs in by_length.values() for c in cs)
+  if not valid:
+    first = next(c for cs in by_length.values() for c in cs)
+    raise ConfigError(f"no candidate can run: e.g. {first.label}: {first.case.refused}")
+  out = pathlib.Path(args.out or f"{config.run.output_dir}/plan")
+  out.mkdir(parents=True, exist_ok=True)  # only now: a refused command leaves nothing behind
+  log.info("%d candidates to measure (%d refused) on %d %s devices, into %s", valid,
+           sum(len(cs) for cs in by_length.values()) - valid, n, jax.default_backend().upper(), out)
+  ranked, records = {}, []
+  for seq_len, cands in by_length.items():
+    ranked[seq_len] = rank(cands, measure_all(cands, args.steps))
+    records += [{"candidate": c.label, "context": c.context, "ulysses": c.ulysses, "remat": c.remat,
+                 "rank": i if r.status == "ok" else None, **r.to_json()}
+                for i, (c, r) in enumerate(ranked[seq_len], 1)]
+  written = []
+  for seq_len, rows in ranked.items():
+    if rows[0][1].status != "ok":
+      log.info("no candidate ran at %s tokens: no recipe for it", cases_lib.tokens(seq_len))
+      continue
+    name = "recipe.yml" if len(lengths) == 1 else f"recipe-{cases_lib.tokens(seq_len)}.yml"
+    (out / name).write_text(recipe(args.config, rows[0][0], args.overrides))
+    written.append(name)
+    log.info("%s tokens: %s (%s tokens/s)", cases_lib.tokens(seq_len), rows[0][0].label,
+             f"{rows[0][1].tokens_per_s:,.0f}")
+  devices = jax.devices()
+  setup = (f"Measured on {n} {devices[0].device_kind} devices ({jax.default_backend()}), 1 warm-up + {args.steps} "
+           f"timed steps (median) + 1 profiled step per candidate; every candidate trains the same model on the same "
+           f"data and global batch. Config {args.config}" + (f" with {' '.join(args.overrides)}" if args.overrides
+                                                               else "") + ".")
+  text = markdown(ranked, setup)
+  (out / "plan.md").write_text(text)
+  (out / "plan.jsonl").write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in records))
+  print(text)
+  log.info("wrote %s: plan.md, plan.jsonl, %s", out, ", ".join(written) or "no recipe")
+  return 0 if written else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+  args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+  console.setup("stderr")
+  logging.getLogger("maxctx.data").setLevel(logging.WARNING)
+  return exit_code(lambda: run(args))
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,48 @@
+"""The planner in measured mode (python -m maxctx.plan): which candidates it tries and refuses, and that on 8 fake CPU
+devices it measures them, ranks them by tokens/s, and writes a recipe that maxctx.train accepts as is."""
+
+import json
+
+import pytest
+
+from maxctx import config as config_lib
+from maxctx import plan as plan_lib
+from maxctx import trainer as trainer_lib
+from maxctx.errors import ConfigError
+
+
+def test_candidates_cover_every_split_and_refuse_with_validates_sentence():
+  base = config_lib.load("configs/bench.yml")   # fsdp=2 × context=4 over 8 devices; the tiny model has 4 query heads
+  cands = plan_lib.candidates(base, ["none", "ulysses", "usp"], 256, ["none", "full"], 8)
+  labels = {c.label: c for c in cands}
+  assert set(labels) == {f"{s} remat={r}" for r in ("none", "full") for s in (
+      "none c=1", "ulysses c=2", "ulysses c=4", "ulysses c=8", "usp c=4 u=2", "usp c=8 u=2", "usp c=8 u=4")}
+  assert "query heads" in labels["ulysses c=8 remat=none"].case.refused
+  usp = labels["usp c=8 u=4 remat=full"].case.config
+  assert (usp.mesh.ici.context, usp.mesh.ici.fsdp, usp.attention.ulysses_degree, usp.model.remat) == (8, 1, 4, "full")
+  none = labels["none c=1 remat=none"].case.config
+  assert (none.mesh.ici.context, none.mesh.ici.fsdp, none.attention.strategy) == (1, 8, "all_gather")
+  with pytest.raises(ConfigError, match="not a remat policy"):
+    plan_lib._remats("none,fulll", base)
+
+
+def test_measured_plan_picks_the_fastest_and_its_recipe_trains_as_is(tmp_path):
+  # data=4 stays as the run file says; context and fsdp share the other 2 devices: none (fsdp=2) or ring (context=2).
+  rc = plan_lib.main(["configs/bench.yml", "mesh.ici.data=4", "mesh.ici.fsdp=1", "mesh.ici.context=2", "--strategies",
+                      "none,ring", "--lengths", "128", "--steps", "1", "--out", str(tmp_path)])
+  assert rc == 0
+  records = [json.loads(line) for line in (tmp_path / "plan.jsonl").read_text().splitlines()]
+  ok = [r for r in records if r["status"] == "ok"]
+  assert sorted(r["candidate"] for r in ok) == ["none c=1 remat=none", "ring c=2 remat=none"]
+  assert [r["rank"] for r in ok] == [1, 2] and all(r["mesh"]["data"] == 4 for r in ok)
+  assert ok[0]["tokens_per_s"] == max(r["tokens_per_s"] for r in ok)
+  # Every candidate trains the same model on the same data: exact strategies in float32 agree on the loss.
+  assert max(r["loss"] for r in ok) - min(r["loss"] for r in ok) <= 1e-4
+  recipe = config_lib.load(tmp_path / "recipe.yml")
+  best = ok[0]
+  assert recipe.attention.strategy == ("all_gather" if best["strategy"] == "none" else best["strategy"])
+  assert {a: getattr(recipe.mesh.ici, a) for a in best["mesh"]} == best["mesh"]
+  assert recipe.data.seq_len == 128 and recipe.run.steps == config_lib.load("configs/bench.yml").run.steps
+  trainer_lib.validate(recipe, 8)
+  assert "Chosen: **" + best["candidate"] in (tmp_path / "plan.md").read_text()
+
