@@ -26,6 +26,7 @@ import json
 import logging
 import pathlib
 import sys
+import typing
 from typing import Any
 
 import yaml
@@ -35,12 +36,12 @@ from maxctx import console
 from maxctx import mesh as mesh_lib
 from maxctx.bench import plan as cases_lib
 from maxctx.bench import report
-from maxctx.config import MESH_AXES, Config
+from maxctx.config import MESH_AXES, Config, ModelConfig
 from maxctx.errors import ArgumentParser, ConfigError, exit_code
 
 log = logging.getLogger("maxctx.plan")
 
-REMATS = ("none", "save_attention_out", "full", "full_offload")
+REMATS = typing.get_args(typing.get_type_hints(ModelConfig)["remat"])   # the policies model.remat accepts
 
 
 @dataclasses.dataclass(frozen=True)
