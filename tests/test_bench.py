@@ -10,7 +10,9 @@ import pytest
 
 from maxctx import compile as compile_lib
 from maxctx import config as config_lib
+from maxctx import attention
 from maxctx import topology
+from maxctx import trainer as trainer_lib
 from maxctx.bench import __main__ as bench_main
 from maxctx import hlo
 from maxctx.bench import plan, report, roofline
@@ -47,6 +49,15 @@ def test_cpu_slice_writes_files_and_losses_agree(tmp_path):
     losses = [r["loss"] for r in records if r["seq_len"] == n]
     assert max(losses) - min(losses) <= 1e-4, losses
   assert "Strategy benchmark" in (tmp_path / "results.md").read_text()
+  # The ring's own account of its bytes (the planner's cost model: K/V and ids 3 hops each way, float32 dK/dV 4
+  # hops home, per layer) is what the compiled step sends.
+  base = config_lib.load("configs/bench.yml")
+  for r in (r for r in records if r["strategy"] == "ring"):
+    config = base.replace(**{"data.seq_len": r["seq_len"]})
+    problem = trainer_lib.attention_problem(config, r["mesh"], "cpu")
+    rows = config.data.batch_size // (r["mesh"]["data"] * r["mesh"]["fsdp"])
+    modelled = attention.get("ring").traffic(problem, rows, config.model.head_dim, 4).step(config.model.n_layers)
+    assert modelled == r["collective_bytes"]["bytes_attention"], (modelled, r["collective_bytes"])
 
 
 def test_a_strategy_that_cannot_run_is_refused_with_validates_sentence():

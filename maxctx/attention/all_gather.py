@@ -10,7 +10,7 @@ import jax
 
 from maxctx import sharding
 from maxctx.attention import kernels
-from maxctx.attention.registry import Strategy, register
+from maxctx.attention.registry import Strategy, Traffic, ids_bytes, register
 
 
 @register
@@ -27,6 +27,14 @@ class AllGather(Strategy):
       return local(q, k_all, v_all, segment_ids, seg_all, positions, pos_all)
 
     return self.shard(mesh, attend)
+
+  def traffic(self, p, rows, head_dim, dtype_bytes):
+    # Forward: gather every device's K and V; backward: reduce-scatter the whole sequence's dK and dV back to their
+    # owners. The ids are gathered once per step.
+    g, t, kv = p.context, p.seq_len // p.context, p.n_kv_heads // p.tensor
+    kv_bytes = 2 * rows * t * kv * head_dim * dtype_bytes
+    return Traffic(forward={"all-gather": kv_bytes * (g - 1)}, backward={"reduce-scatter": kv_bytes * (g - 1)},
+                   once={"all-gather": ids_bytes(rows, t) * (g - 1)})
 
   def held_kv_bytes(self, p, rows, head_dim, dtype_bytes):
     # The whole sequence's K and V (gathered) and dK, dV (before the reduce-scatter), for the device's KV heads.

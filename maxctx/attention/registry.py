@@ -35,6 +35,31 @@ class Problem:
   head_dim: int | None = None   # None: not known (kernels that constrain it check it only when given)
 
 
+@dataclasses.dataclass(frozen=True)
+class Traffic:
+  """Bytes one device sends for attention, by collective kind, counted as maxctx.hlo counts a compiled step's (an
+  all-gather over G devices sends (G-1)x its operand, a reduce-scatter or all-to-all (G-1)/G of it, a ring hop its
+  block): `forward` and `backward` of one layer, and `once` per step (the segment ids and positions every layer
+  shares, which the compiler moves out of the layer loop)."""
+  forward: dict[str, float]
+  backward: dict[str, float]
+  once: dict[str, float] = dataclasses.field(default_factory=dict)
+
+  def step(self, n_layers: int, forward_runs: int = 1) -> dict[str, float]:
+    """A step's bytes by kind: each layer's backward once and its forward `forward_runs` times (2 where remat runs
+    the forward again inside the backward)."""
+    out: dict[str, float] = {}
+    for part, times in ((self.forward, n_layers * forward_runs), (self.backward, n_layers), (self.once, 1)):
+      for kind, b in part.items():
+        out[kind] = out.get(kind, 0.0) + times * b
+    return out
+
+
+def ids_bytes(rows: int, tokens: int) -> int:
+  """Segment ids and positions (int32) of `rows` × `tokens`."""
+  return 2 * rows * tokens * 4
+
+
 class Strategy:
   name: ClassVar[str]
   uses_ulysses_degree: ClassVar[bool] = False
@@ -75,6 +100,11 @@ class Strategy:
     for `rows` sequences per device: a bound below which no compile can go. 0 where the strategy holds only chunks
     of its own share (the compiled step's memory is then the measure)."""
     return 0
+
+  def traffic(self, p: Problem, rows: int, head_dim: int, dtype_bytes: int) -> Traffic | None:
+    """The bytes one device sends for attention with `rows` sequences per device, from the shapes alone (gradients
+    that the strategy accumulates in float32 travel as 4 bytes); None where the strategy does not model them."""
+    return None
 
   @staticmethod
   def shard(mesh: Mesh, per_device: Callable) -> AttentionFn:

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from maxctx import sharding
 from maxctx.attention import kernels
 from maxctx.attention.blockwise import Blockwise, fit_block
-from maxctx.attention.registry import Strategy, register
+from maxctx.attention.registry import Strategy, Traffic, ids_bytes, register
 from maxctx.attention.ulysses import AllToAll, kv_replication
 
 # The most bytes of K and V (as given, before any USP replication) that one hop of a pass may carry, unless a single
@@ -260,6 +260,13 @@ class _Ring:
     return jax.lax.fori_loop(0, self.passes(n), one, grads)
 
 
+def ring_traffic(hops: int, kv_bytes: float, ids: float, dkv_bytes: float) -> tuple[float, float]:
+  """(forward, backward) collective-permute bytes of one layer's ring: K/V (`kv_bytes` a hop) and their ids travel
+  hops - 1 times each way; in the backward the float32 dK/dV accumulators (`dkv_bytes`) travel all `hops` to come
+  home. Passes and sub-chunks split the same bytes into more hops, so they do not enter."""
+  return (hops - 1) * (kv_bytes + ids), (hops - 1) * (kv_bytes + ids) + hops * dkv_bytes
+
+
 @register
 class Ring(Strategy):
   name = "ring"
@@ -267,6 +274,12 @@ class Ring(Strategy):
   def validate(self, p):
     super().validate(p)
     self.require_chunked(p, self.name)
+
+  def traffic(self, p, rows, head_dim, dtype_bytes):
+    t = p.seq_len // p.context
+    kv = 2 * rows * t * (p.n_kv_heads // p.tensor) * head_dim
+    fwd, bwd = ring_traffic(p.context, kv * dtype_bytes, ids_bytes(rows, t), kv * 4)
+    return Traffic(forward={"collective-permute": fwd}, backward={"collective-permute": bwd})
 
   def build(self, mesh, *, kernel, load_balance, ulysses_degree, block_q, block_kv):
     hops = mesh.shape[sharding.SEQ_AXIS]

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from maxctx import sharding
 from maxctx.attention import kernels
-from maxctx.attention.registry import Strategy, register
+from maxctx.attention.registry import Strategy, Traffic, ids_bytes, register
 from maxctx.errors import ConfigError
 
 
@@ -96,6 +96,17 @@ class Ulysses(Strategy):
   def validate(self, p):
     super().validate(p)
     check_heads(p, p.context, self.name, "use ring, or usp with an attention.ulysses_degree that divides them.")
+
+  def traffic(self, p, rows, head_dim, dtype_bytes):
+    # Forward: q and the (copied) K, V to head sharding, the output back; backward: the output's cotangent to heads,
+    # dq, dK, dV back, all in the compute dtype. The ids are gathered once per step.
+    g, t = p.context, p.seq_len // p.context
+    head = rows * t * head_dim * dtype_bytes   # bytes of one head over the device's tokens
+    kv_local = p.n_kv_heads // p.tensor
+    q, kv = p.n_heads // p.tensor * head, kv_local * kv_replication(kv_local, g) * head
+    a2a = (2 * q + 2 * kv) * (g - 1) / g
+    return Traffic(forward={"all-to-all": a2a}, backward={"all-to-all": a2a},
+                   once={"all-gather": ids_bytes(rows, t) * (g - 1)})
 
   def build(self, mesh, *, kernel, load_balance, ulysses_degree, block_q, block_kv):
     local = kernels.get(kernel, block_q, block_kv)

@@ -16,9 +16,9 @@ import math
 
 from maxctx import sharding
 from maxctx.attention import kernels
-from maxctx.attention.registry import Strategy, register
-from maxctx.attention.ring import ring_attention
-from maxctx.attention.ulysses import AllToAll, check_heads
+from maxctx.attention.registry import Strategy, Traffic, ids_bytes, register
+from maxctx.attention.ring import ring_attention, ring_traffic
+from maxctx.attention.ulysses import AllToAll, check_heads, kv_replication
 from maxctx.errors import ConfigError
 
 
@@ -39,6 +39,23 @@ class USP(Strategy):
       raise ConfigError(f"attention.ulysses_degree {degree} does not divide the context degree {p.context}; "
                         f"choose a divisor of {p.context}.")
     check_heads(p, degree, self.name, "choose a smaller attention.ulysses_degree.")
+
+  def traffic(self, p, rows, head_dim, dtype_bytes):
+    # All-to-alls inside groups of u: forward q, the (copied) K/V and the output; backward q, the output's cotangent,
+    # delta (float32), K/V, and back dq, dK, dV as float32 accumulators. Between the groups a ring of context / u hops
+    # carries the group's u·t tokens of the device's share of heads (the same bytes as its own t tokens of all of
+    # them). The ids are gathered once per step within the group.
+    t, kv_local = p.seq_len // p.context, p.n_kv_heads // p.tensor
+    u = p.ulysses_degree or default_degree(p.context, kv_local)
+    head = rows * t * head_dim                  # elements of one head over the device's tokens
+    n, kv = p.n_heads // p.tensor * head, kv_local * kv_replication(kv_local, u) * head
+    share = (u - 1) / u
+    fwd, bwd = ring_traffic(p.context // u, 2 * kv * dtype_bytes, ids_bytes(rows, u * t), 2 * kv * 4)
+    return Traffic(
+        forward={"all-to-all": (2 * n + 2 * kv) * dtype_bytes * share, "collective-permute": fwd},
+        backward={"all-to-all": ((2 * n + 2 * kv) * dtype_bytes + (n + 2 * kv) * 4 + rows * t * p.n_heads // p.tensor
+                                 * 4) * share, "collective-permute": bwd},
+        once={"all-gather": ids_bytes(rows, t) * (u - 1)})
 
   def build(self, mesh, *, kernel, load_balance, ulysses_degree, block_q, block_kv):
     context = mesh.shape[sharding.SEQ_AXIS]
