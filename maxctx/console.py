@@ -26,8 +26,8 @@ class _CurrentStream(logging.StreamHandler):
 
 
 def setup(stream: str = "stderr", level: int = logging.INFO, prefix: str = "") -> None:
-  """Replaces the root logger's handlers with one writing to `sys.<stream>` at `level`; absl (Orbax, grain) and the
-  data pipeline's per-file lines only when they warn, unless the caller lowers them again."""
+  """Replaces the root logger's handlers with one writing to `sys.<stream>` at `level`; absl (Orbax's and grain's
+  per-file lines) only when it warns."""
   handler = _CurrentStream(stream)
   handler.setFormatter(logging.Formatter(f"%(asctime)s {prefix}%(message)s", datefmt="%H:%M:%S"))
   logging.basicConfig(level=level, handlers=[handler], force=True)
