@@ -102,19 +102,17 @@ def _record(cand: Candidate) -> report.Record:
 
 def measure_all(cands: list[Candidate], steps: int) -> list[report.Record]:
   """Trains each valid candidate for 1 warm-up + `steps` timed + 1 profiled step; logs each as it finishes."""
-  import jax
   from maxctx.bench import measure
   records = []
   valid = [c for c in cands if c.case.config is not None]
   for i, cand in enumerate(valid, 1):
     rec = _record(cand)
-    try:
-      rec.set(status="ok", **measure.run(cand.case, measure.Steps(warmup=1, timed=steps, traced=1)))
+    rec.set(**measure.attempt(cand.case, measure.Steps(warmup=1, timed=steps, traced=1)))
+    if rec.status == "ok":
       log.info("[%d/%d] %s at %s: %s tokens/s, step %.3f s", i, len(valid), cand.label, rec.length,
                f"{rec.tokens_per_s:,.0f}", rec.step_time_s)
-    except jax.errors.JaxRuntimeError as e:  # e.g. out of memory: this candidate does not fit here
-      rec.set(status="failed", reason=str(e).splitlines()[0][:300])
-      log.info("[%d/%d] %s at %s: failed: %s", i, len(valid), cand.label, rec.length, rec.reason)
+    else:  # e.g. out of memory: this candidate does not run here
+      log.info("[%d/%d] %s at %s: %s: %s", i, len(valid), cand.label, rec.length, rec.status, rec.reason)
     records.append(rec)
   return records
 

@@ -56,3 +56,27 @@ def test_measured_plan_picks_the_fastest_and_its_recipe_trains_as_is(tmp_path):
   assert modelled == pytest.approx(ring["collective_bytes"]["bytes_attention"]["collective-permute"], rel=0.02)
   assert "Chosen: **" + best["candidate"] in (tmp_path / "plan.md").read_text()
 
+
+
+def test_a_candidate_that_stops_is_recorded_and_the_plan_goes_on(monkeypatch):
+  # The planner and maxctx.bench share one per-case runner (measure.attempt): a DataError, a ConfigError or a runtime
+  # error (out of memory) in one candidate is that candidate's record, not the end of the plan.
+  import jax
+  from maxctx.bench import measure
+  from maxctx.errors import DataError
+  errors = iter([DataError("document 3 of shard 0 is empty."), ConfigError("block_q 100 does not divide 128."),
+                 jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 9 GiB.\nmore")])
+
+  def run(case, steps):
+    raise next(errors)
+
+  monkeypatch.setattr(measure, "run", run)
+  base = config_lib.load("configs/bench.yml")
+  cands = [c for c in plan_lib.candidates(base, ["none", "ring"], 128, ["none", "full"], 8)
+           if c.case.config is not None][:3]
+  records = plan_lib.measure_all(cands, 1)
+  assert [(r.status, r.reason) for r in records] == [
+      ("failed", "document 3 of shard 0 is empty."), ("refused", "block_q 100 does not divide 128."),
+      ("failed", "RESOURCE_EXHAUSTED: Out of memory allocating 9 GiB.")]
+  # Ranked after anything measured: the failed ones, then the refused.
+  assert [c for c, _ in plan_lib.rank(cands, records)] == [cands[0], cands[2], cands[1]]

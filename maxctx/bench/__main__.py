@@ -80,14 +80,7 @@ def measure_all(config, cases, args) -> tuple[list[report.Record], str, str]:
   for i, case in enumerate(cases, 1):
     rec = _base_record(case)
     if case.config is not None:
-      try:
-        rec.set(status="ok", **measure.run(case, steps))
-      except ConfigError as e:
-        rec.set(status="refused", reason=str(e))
-      except MaxctxError as e:  # e.g. a DataError from the pipeline
-        rec.set(status="failed", reason=str(e))
-      except jax.errors.JaxRuntimeError as e:  # e.g. out of memory
-        rec.set(status="failed", reason=str(e).splitlines()[0][:300])
+      rec.set(**measure.attempt(case, steps))
     records.append(rec)
     if rec.status == "ok":
       log.info("[%d/%d] %s %s: %s tokens/s, step %.3f s, CP comm %.1f%%, loss %.6f", i, len(cases), case.strategy,

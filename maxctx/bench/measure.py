@@ -23,6 +23,7 @@ from maxctx import metrics as metrics_lib
 from maxctx import hlo as hlo_lib
 from maxctx.bench import trace as trace_lib
 from maxctx.bench.plan import Case
+from maxctx.errors import ConfigError, MaxctxError
 from maxctx.trainer import Trainer
 
 log = logging.getLogger("maxctx.bench")
@@ -122,3 +123,17 @@ def run(case: Case, steps: Steps) -> dict[str, Any]:
   record["comm_share_by_kind"] = {k: v / wall for k, v in profile.attention.items() if v}
   record["profiled_devices"] = profile.devices
   return record
+
+
+def attempt(case: Case, steps: Steps) -> dict[str, Any]:
+  """`run`, with what stops one case recorded instead of raised, so a sweep goes on to the next: a ConfigError is
+  "refused" (this case cannot run as configured), any other MaxctxError (e.g. a DataError from the pipeline) or a
+  runtime error (e.g. out of memory) is "failed"; `reason` says why in one line."""
+  try:
+    return {"status": "ok", **run(case, steps)}
+  except ConfigError as e:
+    return {"status": "refused", "reason": str(e)}
+  except MaxctxError as e:
+    return {"status": "failed", "reason": str(e)}
+  except jax.errors.JaxRuntimeError as e:
+    return {"status": "failed", "reason": str(e).splitlines()[0][:300]}
