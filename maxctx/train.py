@@ -33,6 +33,7 @@ from maxctx import data as data_lib
 from maxctx import distributed
 from maxctx import mesh as mesh_lib
 from maxctx import metrics as metrics_lib
+from maxctx import plan as plan_lib
 from maxctx import preemption as preemption_lib
 from maxctx import run_dir as run_dir_lib
 from maxctx.eval import sweep as eval_sweep
@@ -75,11 +76,12 @@ def fit(config: config_lib.Config) -> Fit:
   Everything a user can get wrong (config, data, parameters to load, the run directory) is refused before the run
   directory is written; config.yml, TensorBoard and checkpoints appear only once the state is restored or made."""
   devices = jax.devices()
+  out_dir = pathlib.Path(config.run.output_dir)
+  run_dir_lib.check_writable(config.run.output_dir)
+  config = plan_lib.resolve(config, devices, out_dir / "config.yml")   # attention.strategy auto: measured, or kept
   sizes = validate(config, len(devices), mesh_lib.num_slices_of(devices))
   _check_host_memory(config, sizes)
-  run_dir_lib.check_writable(config.run.output_dir)
   mesh = mesh_lib.build_mesh(config.mesh, devices)
-  out_dir = pathlib.Path(config.run.output_dir)
   log.info("mesh %s on %d %s device(s)", dict(mesh.shape), len(devices), devices[0].device_kind)
 
   with jax.set_mesh(mesh), preemption_lib.Preemption() as preemption:

@@ -159,6 +159,11 @@ CASES = [
     ("plan-unknown-strategy", "plan", ["--strategies=rings"], ["rings"]),
     ("plan-bad-remat", "plan", ["--remat=none,fulll"], ["fulll", "not a remat policy"]),
     ("plan-nothing-valid", "plan", ["--strategies=ulysses", "--lengths=98"], ["no candidate can run"]),
+    # attention.strategy auto: planned by maxctx.train alone; nothing to choose from is one sentence too
+    ("train-auto-nothing-runs", "train", ["attention.strategy=auto", "attention.kernel=flash"],
+     ["auto found no strategy", "runs only on tpu or gpu"]),
+    ("compile-strategy-auto", "compile", ["compile.topology=v5p-16", "attention.strategy=auto"],
+     ["resolved only by maxctx.train", "recipe.yml"]),
     # maxctx.compile
     ("compile-no-topology", "compile", [], ["no TPU topology"]),
     ("compile-bad-topology", "compile", ["compile.topology=v5p-7"], ["v5p-7"]),

@@ -80,3 +80,38 @@ def test_a_candidate_that_stops_is_recorded_and_the_plan_goes_on(monkeypatch):
       ("failed", "RESOURCE_EXHAUSTED: Out of memory allocating 9 GiB.")]
   # Ranked after anything measured: the failed ones, then the refused.
   assert [c for c, _ in plan_lib.rank(cands, records)] == [cands[0], cands[2], cands[1]]
+
+
+def test_train_resolves_strategy_auto_logs_its_choice_and_keeps_it_on_resume(tmp_path, caplog, monkeypatch):
+  # Acceptance 5 of issue 18: maxctx.train with attention.strategy=auto measures the candidates on the devices
+  # present, logs the choice and the runner-up, saves the resolved keys in config.yml, and a resumed run keeps them
+  # without measuring again. data=4 leaves 2 devices to split: none, all_gather, ulysses and ring at context 2.
+  import logging
+  from maxctx import train
+  overrides = ["attention.strategy=auto", "mesh.ici.data=4", "mesh.ici.fsdp=1", "mesh.ici.context=2",
+               "data.seq_len=128", "checkpoint.every_steps=2", f"run.output_dir={tmp_path / 'run'}"]
+  with caplog.at_level(logging.INFO, logger="maxctx"):
+    first = train.fit(config_lib.load("configs/demo.yml", overrides + ["run.steps=2"]))
+  said = "\n".join(r.getMessage() for r in caplog.records)
+  assert "measuring 4 candidates" in said and "attention.strategy auto chose " in said and "runner-up " in said
+  saved = config_lib.load(tmp_path / "run" / "config.yml")
+  assert saved.attention.strategy in attention.STRATEGIES and len(first.losses) == 2
+  chosen = said.split("attention.strategy auto chose ")[1].split(" (")[0]
+  assert chosen.startswith("none c=1" if saved.mesh.ici.context == 1 else
+                           f"{saved.attention.strategy} c={saved.mesh.ici.context}")
+
+  def measure_again(*_):
+    raise AssertionError("a resumed run measured the candidates again")
+
+  monkeypatch.setattr(plan_lib, "measure_all", measure_again)
+  caplog.clear()
+  with caplog.at_level(logging.INFO, logger="maxctx"):
+    resumed = train.fit(config_lib.load("configs/demo.yml", overrides + ["run.steps=4"]))
+  said = "\n".join(r.getMessage() for r in caplog.records)
+  assert "keeping the plan saved in" in said and "restored step 2" in said and len(resumed.losses) == 2
+  again = config_lib.load(tmp_path / "run" / "config.yml")
+  assert {k: v for k, v in again.to_dict().items() if k != "run"} == {
+      k: v for k, v in saved.to_dict().items() if k != "run"}
+  # Anything else than maxctx.train refuses `auto` in one sentence naming what to do.
+  with pytest.raises(ConfigError, match="resolved only by maxctx.train"):
+    trainer_lib.validate(config_lib.load("configs/demo.yml", ["attention.strategy=auto"]), 8)

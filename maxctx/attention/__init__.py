@@ -23,7 +23,7 @@ from maxctx.attention import ring as _ring  # noqa: F401
 from maxctx.attention import ulysses as _ulysses  # noqa: F401
 from maxctx.attention import usp as _usp  # noqa: F401
 from maxctx.attention import kernels
-from maxctx.attention.registry import STRATEGIES, AttentionFn, Problem, Strategy, get
+from maxctx.attention.registry import AUTO, STRATEGIES, AttentionFn, Problem, Strategy, get
 
 
 def validate(strategy: str, problem: Problem) -> None:
@@ -38,4 +38,4 @@ def build(strategy: str, mesh: Mesh, *, kernel: str = "blockwise", load_balance:
                              block_q=block_q, block_kv=block_kv)
 
 
-__all__ = ["build", "validate", "get", "kernels", "Problem", "Strategy", "STRATEGIES", "AttentionFn"]
+__all__ = ["AUTO", "build", "validate", "get", "kernels", "Problem", "Strategy", "STRATEGIES", "AttentionFn"]
