@@ -1,21 +1,31 @@
-"""Which strategy, which split of the devices, which memory policy: a plan measured on the devices present.
+"""Which strategy, which split of the devices, which memory policy: a plan measured on the devices present, or
+compiled and estimated for a TPU slice.
 
     python -m maxctx.plan configs/bench.yml [section.key=value ...] [--lengths 512,1k] [--remat none,full]
         [--strategies none,all_gather,ulysses,ring,usp] [--steps 3] [--out DIR]
+        [--topology v5p-128 [--num-slices N] [--reports DIR] [--no-compile]]
 
 Candidates, for each length: every strategy at every context degree that divides the devices left by the run's data
 and tensor axes (the rest on fsdp), usp at every ulysses degree between 1 and its context degree, `none` (no context
 parallelism, context 1), each under every remat policy of `--remat` (default: the run's). `maxctx.trainer.validate`
-checks each; what it refuses is listed with its sentence. Each valid candidate then trains a few steps on the devices
-present (`maxctx.bench.measure`: the same model, data and global batch every time, so the candidates differ only in
-how they are split), and the plan for a length is the candidate with the most tokens/s. This is the measured mode of
-the planner; the mode that plans for a TPU slice from a cost model without running (issue 18) is not built yet, so
-for a pod use `python -m maxctx.bench CONFIG --topology ...` and `maxctx.compile`.
+checks each; what it refuses is listed with its sentence.
 
-Writes to --out (default <run.output_dir>/plan): plan.md (every candidate, ranked), plan.jsonl (one record each) and
-recipe.yml -- the run file with the chosen strategy, mesh and remat, which `maxctx.train` and `maxctx.compile` take as
-is (with several lengths, recipe-<length>.yml for each). Timings on fake CPU devices share the host's cores: they rank
-the candidates' overheads on this machine, not accelerator speed.
+Measured mode (no --topology): each valid candidate trains a few steps on the devices present
+(`maxctx.bench.measure`: the same model, data and global batch every time, so the candidates differ only in how they
+are split), and the plan for a length is the candidate with the most tokens/s.
+
+Topology mode (--topology): nothing runs. Each valid candidate is compiled for the slice (`maxctx.bench.aot`: reports
+cached under --out, or reused from --reports) and estimated with maxctx.bench's roofline; the plan is the candidate
+that fits with the least estimated step time (ties, common when every candidate is compute-bound, go to the one
+needing less memory). When nothing fits, the plan says which candidate came closest and by how many GiB. Every
+candidate is compiled: no analytic model prunes them yet (issue 18), so an 8B plan at millions of tokens takes minutes
+per candidate; narrow it with --strategies and --remat.
+
+Writes to --out (default <run.output_dir>/plan, or plan-<topology>): plan.md (every candidate, ranked), plan.jsonl
+(one record each) and recipe.yml -- the run file with the chosen strategy, mesh and remat, which `maxctx.train` and
+`maxctx.compile` take as is (with several lengths, recipe-<length>.yml for each; in topology mode its
+compile.topology is the slice). Timings on fake CPU devices share the host's cores: they rank the candidates'
+overheads on this machine, not accelerator speed.
 
 `resolve` is the same measurement for `attention.strategy: auto` in a run file: `maxctx.train` calls it before it
 validates, and a resumed run keeps the plan its run directory's config.yml saved.
@@ -83,6 +93,9 @@ def _divisors(n: int) -> list[int]:
 def candidates(base: Config, strategies: list[str], seq_len: int, remats: list[str], num_devices: int,
                num_slices: int = 1, steps: int | None = None, platform: str | None = None) -> list[Candidate]:
   """Every candidate at `seq_len`, valid or refused, in a fixed order (strategy, context, ulysses, remat)."""
+  if base.mesh.ici.data > 0 and base.mesh.ici.tensor > 0:
+    # Only data and tensor are kept from the run file: its fsdp × context may be for another number of devices.
+    base = base.replace(**{"mesh.ici.fsdp": -1, "mesh.ici.context": 1})
   ici, dcn = mesh_lib.resolve_axes(base.mesh, num_devices, num_slices)
   free = ici["fsdp"] * ici["context"]   # the ICI devices that context and fsdp share
   out = []
@@ -124,30 +137,72 @@ def measure_all(cands: list[Candidate], steps: int) -> list[report.Record]:
   return records
 
 
+def estimate_all(cands: list[Candidate], n: int, slices: int, out: pathlib.Path, reports: list[pathlib.Path],
+                 compile_missing: bool) -> list[report.Record]:
+  """Compiles each valid candidate for the topology in its config (reports cached under `out`, or taken from
+  `reports`) and estimates its step with `maxctx.bench`'s roofline; logs each as it finishes."""
+  from maxctx.bench import aot
+  records = []
+  valid = [c for c in cands if c.case.config is not None]
+  for i, cand in enumerate(valid, 1):
+    rec = _record(cand)
+    rec.set(**aot.record(cand.case, mesh_lib.axis_sizes(cand.case.config.mesh, n, slices), out, reports,
+                         compile_missing))
+    if rec.status == "estimate" and rec.fits:
+      log.info("[%d/%d] %s at %s: fits, %.1f GiB per device; est. step %.3g s (%s bound), est. MFU %.1f%% (%s)", i,
+               len(valid), cand.label, rec.length, rec.memory_compiled["total"] / 2**30, rec.est_step_s,
+               rec.est_bound, 100 * rec.est_mfu, rec.source)
+    else:
+      log.info("[%d/%d] %s at %s: %s", i, len(valid), cand.label, rec.length, rec.reason or rec.status)
+    records.append(rec)
+  return records
+
+
+def chosen(rec: report.Record) -> bool:
+  """Whether a candidate's record can be the plan: it ran (measured) or it fits (estimated)."""
+  return rec.status == "ok" or (rec.status == "estimate" and bool(rec.fits))
+
+
+def _order(rec: report.Record) -> tuple:
+  if rec.status == "ok":
+    return (0, -(rec.tokens_per_s or 0))
+  if chosen(rec):   # the roofline ties strategies that are compute-bound alike: then the one needing less memory
+    return (0, rec.est_step_s if rec.est_step_s is not None else float("inf"), rec.memory_compiled["total"])
+  if rec.status in ("estimate", "does_not_fit"):   # closest to fitting first
+    return (1, rec.over_bytes if rec.over_bytes is not None else float("inf"))
+  return (2,) if rec.status != "refused" else (3,)
+
+
 def rank(cands: list[Candidate], records: list[report.Record]) -> list[tuple[Candidate, report.Record]]:
-  """The measured candidates, fastest first; then those that failed, then those refused."""
+  """The candidates that ran or fit, best first (measured: most tokens/s; estimated: least estimated step time);
+  then those that do not fit, closest first; then those that failed or were not compiled; then those refused."""
   measured = dict(zip([c for c in cands if c.case.config is not None], records))
   rows = [(c, measured.get(c) or _record(c)) for c in cands]
-  order = {"ok": 0, "failed": 1, "refused": 2}
-  return sorted(rows, key=lambda cr: (order[cr[1].status], -(cr[1].tokens_per_s or 0)))
+  return sorted(rows, key=lambda cr: _order(cr[1]))
 
 
 def recipe(path: str, cand: Candidate, overrides: list[str]) -> str:
-  """The run file at `path` with the command line's overrides and the candidate's keys set: what was measured."""
+  """The run file at `path` with the command line's overrides and the candidate's keys set: what was measured, or
+  compiled for the topology in the candidate's compile section."""
   tree = yaml.safe_load(pathlib.Path(path).read_text()) or {}
   if isinstance(tree.get("model"), str):
     tree["model"] = {"preset": tree["model"]}
   keys = dict(config_lib.parse_override(o) for o in overrides)
   keys.update(cand.overrides)
   keys["data.seq_len"] = cand.case.seq_len
+  topology = cand.case.config.compile.topology
+  if topology:
+    keys.update({"compile.topology": topology, "compile.num_slices": cand.case.config.compile.num_slices})
   for dotted, value in keys.items():
     node = tree
     *parents, leaf = dotted.split(".")
     for p in parents:
       node = node.setdefault(p, {})
     node[leaf] = value
-  head = (f"# Planned by python -m maxctx.plan {path}: {cand.label} at {cand.case.seq_len} tokens was the fastest "
-          "measured candidate (see plan.md beside this file).\n")
+  why = (f"had the least estimated step time of those that fit on {topology} (compiled)" if topology else
+         "was the fastest measured candidate")
+  head = (f"# Planned by python -m maxctx.plan {path}: {cand.label} at {cand.case.seq_len} tokens {why} (see plan.md "
+          "beside this file).\n")
   return head + yaml.safe_dump(tree, sort_keys=False)
 
 
@@ -258,6 +313,43 @@ def _saved_plan(config: Config, saved: pathlib.Path | None, n: int, slices: int)
   return kept
 
 
+def markdown_estimated(ranked: dict[int, list[tuple[Candidate, report.Record]]], setup: str) -> str:
+  lines = ["# Plan (estimated, compiled)", "", setup, ""]
+  gib = lambda b: "—" if b is None else f"{b / 2**30:,.1f}"  # noqa: E731
+  for seq_len, rows in ranked.items():
+    lines += [f"## {cases_lib.tokens(seq_len)} tokens", "", _verdict(rows), ""]
+    lines += ["| rank | candidate | mesh | est. step s | est. MFU | memory per device GiB, compiled | HBM GiB | "
+              "host GiB per device | status |", "|---:|---|---|---:|---:|---:|---:|---:|---|"]
+    for i, (cand, r) in enumerate(rows, 1):
+      mesh = (" × ".join(f"{a}={s}" for a, s in r.mesh.items() if s > 1) or "1 device") if r.mesh else "—"
+      memory = r.memory_compiled or {}
+      status = "fits" if chosen(r) else f"{r.status}: {r.reason}"
+      lines.append(f"| {i if chosen(r) else '—'} | {cand.label} | {mesh} | "
+                   f"{'—' if r.est_step_s is None else f'{r.est_step_s:.3g}'} | "
+                   f"{'—' if r.est_mfu is None else f'{100 * r.est_mfu:.1f}%'} | {gib(memory.get('total'))} | "
+                   f"{gib(r.hbm_per_device_bytes)} | {gib(memory.get('host_temp'))} | {status} |")
+    lines.append("")
+  return "\n".join(lines)
+
+
+def _verdict(rows: list[tuple[Candidate, report.Record]]) -> str:
+  """The one sentence that says what a length's plan is, or, when nothing fits, what came closest."""
+  fits = [(c, r) for c, r in rows if chosen(r)]
+  if fits:
+    (best, r), runner = fits[0], fits[1:2]
+    second = (f"; runner-up {runner[0][0].label} (est. step {runner[0][1].est_step_s:.3g} s)" if runner else "")
+    return (f"Chosen: **{best.label}**, est. step {r.est_step_s:.3g} s (est. MFU {100 * r.est_mfu:.1f}%), "
+            f"{r.memory_compiled['total'] / 2**30:.1f} GiB per device, the least estimated step time of {len(fits)} "
+            f"that fit{second}.")
+  over = [(c, r) for c, r in rows if r.status in ("estimate", "does_not_fit")]
+  if over and over[0][1].over_bytes:
+    c, r = over[0]
+    return (f"Nothing fits: the closest, {c.label}, needs {r.over_bytes / 2**30:.1f} GiB per device more than "
+            f"the {r.hbm_per_device_bytes / 2**30:.1f} GiB of HBM; try more devices, a shorter length, or a "
+            "remat policy that keeps less (--remat full,full_offload).")
+  return "Nothing fits or nothing was compiled; the reasons are below."
+
+
 def _parser() -> argparse.ArgumentParser:
   p = ArgumentParser(prog="python -m maxctx.plan", description=__doc__.split("\n\n")[0],
                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -269,7 +361,14 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--remat", help=f"comma-separated remat policies to try, of {', '.join(REMATS)} "
                                  "(default: the run's model.remat)")
   p.add_argument("--steps", type=int, default=3, help="timed steps per candidate after one warm-up (default 3)")
-  p.add_argument("--out", help="output directory (default <run.output_dir>/plan)")
+  p.add_argument("--out", help="output directory (default <run.output_dir>/plan, or plan-<topology> with --topology)")
+  p.add_argument("--topology", help="plan for this TPU slice (e.g. v5p-128, tpu7x-128) without running: each "
+                                    "candidate is compiled for it and estimated, as maxctx.bench --topology does")
+  p.add_argument("--num-slices", type=int, default=1, help="with --topology: slices over DCN (default 1)")
+  p.add_argument("--reports", action="append", default=[],
+                 help="with --topology: a directory of maxctx.compile --json reports to reuse (repeatable)")
+  p.add_argument("--no-compile", action="store_true",
+                 help="with --topology: use cached or given reports only, compile nothing")
   return p
 
 
@@ -290,39 +389,66 @@ def run(args: argparse.Namespace) -> int:
   remats = _remats(args.remat, config)
   if args.steps < 1:
     raise ConfigError(f"--steps is {args.steps}; time at least one step per candidate.")
-  import jax
-  n, slices = len(jax.devices()), mesh_lib.num_slices_of(jax.devices())
-  by_length = {s: candidates(config, strategies, s, remats, n, slices, steps=args.steps + 2) for s in lengths}
+  if args.topology:   # every candidate is compiled for it (maxctx.compile reads the config's compile section)
+    from maxctx import topology as topology_lib
+    from maxctx.bench import roofline
+    topo = topology_lib.resolve(args.topology)
+    roofline.chip_for(topo)   # a chip without roofline figures stops here, before any compile
+    if args.num_slices < 1:
+      raise ConfigError(f"--num-slices is {args.num_slices}; plan for at least one slice.")
+    config = config.replace(**{"compile.topology": args.topology, "compile.num_slices": args.num_slices})
+    n, slices, platform, steps = topo.devices * args.num_slices, args.num_slices, "tpu", None
+    where = f"{n} devices of {topo.name}" + (f" × {slices} slices" if slices > 1 else "")
+  else:
+    import jax
+    n, slices, platform, steps = len(jax.devices()), mesh_lib.num_slices_of(jax.devices()), None, args.steps + 2
+    where = f"{n} {jax.default_backend().upper()} devices"
+  by_length = {s: candidates(config, strategies, s, remats, n, slices, steps=steps, platform=platform)
+               for s in lengths}
   valid = sum(c.case.config is not None for cs in by_length.values() for c in cs)
   if not valid:
     first = next(c for cs in by_length.values() for c in cs)
     raise ConfigError(f"no candidate can run: e.g. {first.label}: {first.case.refused}")
-  out = pathlib.Path(args.out or f"{config.run.output_dir}/plan")
+  out = pathlib.Path(args.out or f"{config.run.output_dir}/plan" + (f"-{args.topology}" if args.topology else ""))
   out.mkdir(parents=True, exist_ok=True)  # only now: a refused command leaves nothing behind
-  log.info("%d candidates to measure (%d refused) on %d %s devices, into %s", valid,
-           sum(len(cs) for cs in by_length.values()) - valid, n, jax.default_backend().upper(), out)
+  log.info("%d candidates to %s (%d refused) for %s, into %s", valid, "compile" if args.topology else "measure",
+           sum(len(cs) for cs in by_length.values()) - valid, where, out)
   ranked, records = {}, []
   for seq_len, cands in by_length.items():
-    ranked[seq_len] = rank(cands, measure_all(cands, args.steps))
+    found = (estimate_all(cands, n, slices, out, [pathlib.Path(d) for d in args.reports], not args.no_compile)
+             if args.topology else measure_all(cands, args.steps))
+    ranked[seq_len] = rank(cands, found)
     records += [{"candidate": c.label, "context": c.context, "ulysses": c.ulysses, "remat": c.remat,
-                 "rank": i if r.status == "ok" else None, **r.to_json()}
+                 "rank": i if chosen(r) else None, **r.to_json()}
                 for i, (c, r) in enumerate(ranked[seq_len], 1)]
   written = []
   for seq_len, rows in ranked.items():
-    if rows[0][1].status != "ok":
-      log.info("no candidate ran at %s tokens: no recipe for it", cases_lib.tokens(seq_len))
+    if not chosen(rows[0][1]):
+      log.info("%s tokens: no recipe: %s", cases_lib.tokens(seq_len),
+               _verdict(rows) if args.topology else "no candidate ran")
       continue
     name = "recipe.yml" if len(lengths) == 1 else f"recipe-{cases_lib.tokens(seq_len)}.yml"
     (out / name).write_text(recipe(args.config, rows[0][0], args.overrides))
     written.append(name)
-    log.info("%s tokens: %s (%s tokens/s)", cases_lib.tokens(seq_len), rows[0][0].label,
-             f"{rows[0][1].tokens_per_s:,.0f}")
-  devices = jax.devices()
-  setup = (f"Measured on {n} {devices[0].device_kind} devices ({jax.default_backend()}), 1 warm-up + {args.steps} "
-           f"timed steps (median) + 1 profiled step per candidate; every candidate trains the same model on the same "
-           f"data and global batch. Config {args.config}" + (f" with {' '.join(args.overrides)}" if args.overrides
-                                                               else "") + ".")
-  text = markdown(ranked, setup)
+    best = rows[0][1]
+    log.info("%s tokens: %s (%s)", cases_lib.tokens(seq_len), rows[0][0].label,
+             f"est. step {best.est_step_s:.3g} s" if args.topology else f"{best.tokens_per_s:,.0f} tokens/s")
+  config_text = f"Config {args.config}" + (f" with {' '.join(args.overrides)}" if args.overrides else "") + "."
+  if args.topology:
+    setup = (f"Compiled ahead of time for {where} ({topo.generation.device_kind}, {topo.hbm_bytes / 2**30:.2f} GiB "
+             "HBM per device); memory is the compiler's. Ranked by maxctx.bench's roofline estimate of the step "
+             "(`est.`): the time the step's FLOPs, HBM bytes and collective bytes need at the chip's peak rates, with "
+             "the overlap rule maxctx.bench states; a lower bound on step time that ranks candidates by the work "
+             "they must do, not by the speed our kernels reach. Candidates that tie there are ranked by memory. "
+             + config_text)
+    text = markdown_estimated(ranked, setup)
+  else:
+    import jax
+    devices = jax.devices()
+    setup = (f"Measured on {n} {devices[0].device_kind} devices ({jax.default_backend()}), 1 warm-up + "
+             f"{args.steps} timed steps (median) + 1 profiled step per candidate; every candidate trains the same "
+             f"model on the same data and global batch. " + config_text)
+    text = markdown(ranked, setup)
   (out / "plan.md").write_text(text)
   (out / "plan.jsonl").write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in records))
   print(text)

@@ -115,3 +115,42 @@ def test_train_resolves_strategy_auto_logs_its_choice_and_keeps_it_on_resume(tmp
   # Anything else than maxctx.train refuses `auto` in one sentence naming what to do.
   with pytest.raises(ConfigError, match="resolved only by maxctx.train"):
     trainer_lib.validate(config_lib.load("configs/demo.yml", ["attention.strategy=auto"]), 8)
+
+
+def test_topology_plan_compiles_candidates_ranks_estimates_and_writes_a_recipe_for_the_slice(tmp_path):
+  # The planner for a TPU slice it does not run on: every candidate compiled for v5p-8 (4 devices; the run file's
+  # fsdp × context is for 8, so only its data and tensor axes are kept), ranked by maxctx.bench's estimate.
+  args = ["configs/bench.yml", "data.batch_size=4", "--topology", "v5p-8", "--strategies", "none,ring",
+          "--lengths", "512", "--out", str(tmp_path)]
+  assert plan_lib.main(args) == 0
+  records = [json.loads(line) for line in (tmp_path / "plan.jsonl").read_text().splitlines()]
+  assert all(r["status"] == "estimate" and r["fits"] for r in records)
+  steps = [r["est_step_s"] for r in records]
+  assert [r["rank"] for r in records] == [1, 2, 3] and steps == sorted(steps)
+  assert all(r["source"].startswith("compiled") for r in records)
+  recipe = config_lib.load(tmp_path / "recipe.yml")
+  best = records[0]
+  assert recipe.compile.topology == "v5p-8" and {a: getattr(recipe.mesh.ici, a) for a in best["mesh"]} == best["mesh"]
+  trainer_lib.validate(recipe, 4, platform="tpu")
+  assert "Chosen: **" + best["candidate"] in (tmp_path / "plan.md").read_text()
+  # Again from the reports cached beside the plan: nothing compiles.
+  assert plan_lib.main(args + ["--no-compile"]) == 0
+  assert all(json.loads(line)["source"].startswith("cache") for line in (tmp_path / "plan.jsonl").read_text()
+             .splitlines())
+
+
+def test_when_nothing_fits_the_plan_names_the_closest_candidate_and_by_how_much():
+  from maxctx.bench import report
+  base = config_lib.load("configs/bench.yml")
+  cands = [c for c in plan_lib.candidates(base, ["ring"], 512, ["none"], 8)][:2]
+  hbm = 95 * 2**30
+
+  def over(gib):
+    return report.Record(strategy="ring", seq_len=512, length="512", status="estimate", fits=False,
+                         over_bytes=int(gib * 2**30), hbm_per_device_bytes=hbm, memory_compiled={"total": 0},
+                         reason=f"does not fit: {gib} GiB over")
+
+  rows = plan_lib.rank(cands, [over(31.5), over(2.25)])
+  assert [r.over_bytes for _, r in rows] == [int(2.25 * 2**30), int(31.5 * 2**30)]
+  assert plan_lib._verdict(rows).startswith(f"Nothing fits: the closest, {cands[1].label}, needs 2.2 GiB per device "
+                                            "more than the 95.0 GiB of HBM")
