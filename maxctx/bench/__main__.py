@@ -23,7 +23,7 @@ from maxctx import console
 from maxctx import metrics as metrics_lib
 from maxctx.bench import plan as plan_lib
 from maxctx.bench import plots, report
-from maxctx.errors import ArgumentParser, ConfigError, MaxctxError, exit_code
+from maxctx.errors import ArgumentParser, ConfigError, exit_code
 
 log = logging.getLogger("maxctx.bench")
 
