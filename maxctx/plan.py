@@ -338,6 +338,10 @@ def _verdict(rows: list[tuple[Candidate, report.Record]]) -> str:
   if fits:
     (best, r), runner = fits[0], fits[1:2]
     second = (f"; runner-up {runner[0][0].label} (est. step {runner[0][1].est_step_s:.3g} s)" if runner else "")
+    tied = sum(other.est_step_s <= 1.01 * r.est_step_s for _, other in fits[1:])
+    if tied:   # the roofline cannot separate them: memory decided, which the reader must know
+      second += (f"; {tied} other{'s' if tied > 1 else ''} tie{'' if tied > 1 else 's'} with it on the estimate "
+                 "(within 1%), and it needs the least memory of them")
     return (f"Chosen: **{best.label}**, est. step {r.est_step_s:.3g} s (est. MFU {100 * r.est_mfu:.1f}%), "
             f"{r.memory_compiled['total'] / 2**30:.1f} GiB per device, the least estimated step time of {len(fits)} "
             f"that fit{second}.")
