@@ -27,8 +27,8 @@ Writes to --out (default <run.output_dir>/plan, or plan-<topology>): plan.md (ev
 compile.topology is the slice). Timings on fake CPU devices share the host's cores: they rank the candidates'
 overheads on this machine, not accelerator speed.
 
-`resolve` is the same measurement for `attention.strategy: auto` in a run file: `maxctx.train` calls it before it
-validates, and a resumed run keeps the plan its run directory's config.yml saved.
+maxctx.plan_tables writes plan.md; maxctx.plan_auto is the measured mode for `attention.strategy: auto` in a run file,
+which `maxctx.train` resolves before it validates.
 """
 
 from __future__ import annotations
@@ -42,19 +42,17 @@ import sys
 import typing
 from typing import Any
 
-import numpy as np
 import yaml
 
-from maxctx import attention
 from maxctx import config as config_lib
 from maxctx import console
 from maxctx import mesh as mesh_lib
-from maxctx import resume_match
-from maxctx import trainer as trainer_lib
+from maxctx import plan_tables
 from maxctx.bench import plan as cases_lib
 from maxctx.bench import report
 from maxctx.config import MESH_AXES, Config, ModelConfig
 from maxctx.errors import ArgumentParser, ConfigError, exit_code
+from maxctx.plan_tables import chosen
 
 log = logging.getLogger("maxctx.plan")
 
@@ -158,11 +156,6 @@ def estimate_all(cands: list[Candidate], n: int, slices: int, out: pathlib.Path,
   return records
 
 
-def chosen(rec: report.Record) -> bool:
-  """Whether a candidate's record can be the plan: it ran (measured) or it fits (estimated)."""
-  return rec.status == "ok" or (rec.status == "estimate" and bool(rec.fits))
-
-
 def _order(rec: report.Record) -> tuple:
   if rec.status == "ok":
     return (0, -(rec.tokens_per_s or 0))
@@ -204,154 +197,6 @@ def recipe(path: str, cand: Candidate, overrides: list[str]) -> str:
   head = (f"# Planned by python -m maxctx.plan {path}: {cand.label} at {cand.case.seq_len} tokens {why} (see plan.md "
           "beside this file).\n")
   return head + yaml.safe_dump(tree, sort_keys=False)
-
-
-def _mib(n: int | None) -> str:
-  return "—" if n is None else f"{n / 2**20:,.1f}"
-
-
-def markdown(ranked: dict[int, list[tuple[Candidate, report.Record]]], setup: str) -> str:
-  lines = ["# Plan (measured)", "", setup, ""]
-  for seq_len, rows in ranked.items():
-    best = rows[0][1] if rows and rows[0][1].status == "ok" else None
-    lines += [f"## {cases_lib.tokens(seq_len)} tokens", ""]
-    if best is None:
-      lines += ["No candidate ran at this length; the reasons are below.", ""]
-    else:
-      ok = [r for _, r in rows if r.status == "ok"]
-      runner = f"; runner-up {rows[1][0].label} ({ok[1].tokens_per_s:,.0f} tokens/s)" if len(ok) > 1 else ""
-      lines += [f"Chosen: **{rows[0][0].label}**, {best.tokens_per_s:,.0f} tokens/s, the fastest of {len(ok)} "
-                f"measured{runner}.", ""]
-    lines += ["| rank | candidate | mesh | tokens/s | step s (median) | memory per device MiB, compiled total | "
-              "last loss | status |", "|---:|---|---|---:|---:|---:|---:|---|"]
-    for i, (cand, r) in enumerate(rows, 1):
-      mesh = (" × ".join(f"{a}={s}" for a, s in r.mesh.items() if s > 1) or "1 device") if r.mesh else "—"
-      memory = _mib(r.memory_compiled["total"]) if r.memory_compiled else "—"
-      status = "ok" if r.status == "ok" else f"{r.status}: {r.reason}"
-      lines.append(f"| {i if r.status == 'ok' else '—'} | {cand.label} | {mesh} | "
-                   f"{'—' if r.tokens_per_s is None else f'{r.tokens_per_s:,.0f}'} | "
-                   f"{'—' if r.step_time_s is None else f'{r.step_time_s:.3f}'} | {memory} | "
-                   f"{'—' if r.loss is None else f'{r.loss:.6f}'} | {status} |")
-    lines.append("")
-  return "\n".join(lines)
-
-
-# The keys `attention.strategy: auto` sets: what a candidate is (maxctx.train keeps them when it resumes).
-PLANNED = ("attention.strategy", "attention.ulysses_degree",
-           *(f"mesh.{level}.{a}" for level in ("ici", "dcn") for a in MESH_AXES))
-AUTO_STEPS = 2   # timed steps per candidate when maxctx.train resolves `auto` (after one warm-up and one profiled)
-
-
-def resolve(config: Config, devices, saved: pathlib.Path | None = None) -> Config:
-  """`config` with `attention.strategy: auto` replaced by a plan for these devices (any other config as it is).
-
-  The plan saved in `saved` (the run directory's config.yml, written by the run being resumed) is kept when it is for
-  the same sequence length and still valid on these devices, so a resumed run never changes plan. Otherwise every
-  candidate at data.seq_len (every strategy, every split of the fsdp × context devices, the run's remat) is measured
-  for a few steps on the devices present, and the fastest is taken; with several processes, process 0's measurement
-  decides for all."""
-  if config.attention.strategy != attention.AUTO:
-    return config
-  import jax
-  config_lib.check(config)   # a key no run can use is refused once, not as every candidate's refusal
-  n, slices = len(devices), mesh_lib.num_slices_of(devices)
-  if (kept := _saved_plan(config, saved, n, slices)) is not None:
-    return kept
-  cands = candidates(config, cases_lib.parse_strategies(cases_lib.DEFAULT_STRATEGIES), config.data.seq_len,
-                     [config.model.remat], n, slices)
-  valid = [c for c in cands if c.case.config is not None]
-  if not valid:
-    raise ConfigError(f"attention.strategy auto found no strategy that can run this config on {n} devices, e.g. "
-                      f"{cands[0].label}: {cands[0].case.refused}")
-  log.info("attention.strategy auto: measuring %d candidates (%d refused) on the %d devices present, %d timed steps "
-           "each", len(valid), len(cands) - len(valid), n, AUTO_STEPS)
-  data_log = logging.getLogger("maxctx.data")
-  level = data_log.level
-  data_log.setLevel(logging.WARNING)   # each candidate's pipeline would log its set-up again
-  try:
-    ranked = rank(cands, measure_all(cands, AUTO_STEPS))
-  finally:
-    data_log.setLevel(level)
-  ok = [(c, r) for c, r in ranked if r.status == "ok"]
-  if not ok:
-    raise ConfigError(f"attention.strategy auto: no candidate ran on these devices, e.g. {ranked[0][0].label}: "
-                      f"{ranked[0][1].reason}; name a strategy and a mesh instead.")
-  best = ok[0][0]
-  if jax.process_count() > 1:   # timings differ between processes; all must run process 0's choice
-    from jax.experimental import multihost_utils
-    best = cands[int(multihost_utils.broadcast_one_to_all(np.int32(cands.index(best))))]
-  rec = dict(ranked)[best]
-  others = [(c, r) for c, r in ok if c is not best]
-  runner = f"; runner-up {others[0][0].label} ({others[0][1].tokens_per_s:,.0f} tokens/s)" if others else ""
-  log.info("attention.strategy auto chose %s (measured: %s tokens/s, the fastest of %d)%s", best.label,
-           f"{rec.tokens_per_s:,.0f}", len(ok), runner)
-  return config.replace(**{k: v for k, v in best.overrides.items() if k in PLANNED})
-
-
-def _saved_plan(config: Config, saved: pathlib.Path | None, n: int, slices: int) -> Config | None:
-  """`config` with the planned keys of the config saved at `saved`, if that is a plan this run may keep."""
-  if saved is None or not saved.is_file():
-    return None
-  try:
-    old = config_lib.load(saved)
-  except ConfigError as e:
-    log.info("attention.strategy auto: %s is not a config this run can read (%s); planning anew", saved, e)
-    return None
-  if old.data.seq_len != config.data.seq_len:
-    log.info("attention.strategy auto: %s is for data.seq_len %d, not %d; planning anew", saved, old.data.seq_len,
-             config.data.seq_len)
-    return None
-  flat = resume_match.flat(old.to_dict())
-  kept = config.replace(**{k: flat[k] for k in PLANNED})
-  try:
-    trainer_lib.validate(kept, n, slices)
-  except ConfigError as e:
-    log.info("attention.strategy auto: the plan saved in %s cannot run on these devices (%s); planning anew", saved, e)
-    return None
-  sizes = cases_lib.describe(kept, n, slices)
-  log.info("attention.strategy auto: keeping the plan saved in %s: %s, %s", saved, kept.attention.strategy, sizes)
-  return kept
-
-
-def markdown_estimated(ranked: dict[int, list[tuple[Candidate, report.Record]]], setup: str) -> str:
-  lines = ["# Plan (estimated, compiled)", "", setup, ""]
-  gib = lambda b: "—" if b is None else f"{b / 2**30:,.1f}"  # noqa: E731
-  for seq_len, rows in ranked.items():
-    lines += [f"## {cases_lib.tokens(seq_len)} tokens", "", _verdict(rows), ""]
-    lines += ["| rank | candidate | mesh | est. step s | est. MFU | memory per device GiB, compiled | HBM GiB | "
-              "host GiB per device | status |", "|---:|---|---|---:|---:|---:|---:|---:|---|"]
-    for i, (cand, r) in enumerate(rows, 1):
-      mesh = (" × ".join(f"{a}={s}" for a, s in r.mesh.items() if s > 1) or "1 device") if r.mesh else "—"
-      memory = r.memory_compiled or {}
-      status = "fits" if chosen(r) else f"{r.status}: {r.reason}"
-      lines.append(f"| {i if chosen(r) else '—'} | {cand.label} | {mesh} | "
-                   f"{'—' if r.est_step_s is None else f'{r.est_step_s:.3g}'} | "
-                   f"{'—' if r.est_mfu is None else f'{100 * r.est_mfu:.1f}%'} | {gib(memory.get('total'))} | "
-                   f"{gib(r.hbm_per_device_bytes)} | {gib(memory.get('host_temp'))} | {status} |")
-    lines.append("")
-  return "\n".join(lines)
-
-
-def _verdict(rows: list[tuple[Candidate, report.Record]]) -> str:
-  """The one sentence that says what a length's plan is, or, when nothing fits, what came closest."""
-  fits = [(c, r) for c, r in rows if chosen(r)]
-  if fits:
-    (best, r), runner = fits[0], fits[1:2]
-    second = (f"; runner-up {runner[0][0].label} (est. step {runner[0][1].est_step_s:.3g} s)" if runner else "")
-    tied = sum(other.est_step_s <= 1.01 * r.est_step_s for _, other in fits[1:])
-    if tied:   # the roofline cannot separate them: memory decided, which the reader must know
-      second += (f"; {tied} other{'s' if tied > 1 else ''} tie{'' if tied > 1 else 's'} with it on the estimate "
-                 "(within 1%), and it needs the least memory of them")
-    return (f"Chosen: **{best.label}**, est. step {r.est_step_s:.3g} s (est. MFU {100 * r.est_mfu:.1f}%), "
-            f"{r.memory_compiled['total'] / 2**30:.1f} GiB per device, the least estimated step time of {len(fits)} "
-            f"that fit{second}.")
-  over = [(c, r) for c, r in rows if r.status in ("estimate", "does_not_fit")]
-  if over and over[0][1].over_bytes:
-    c, r = over[0]
-    return (f"Nothing fits: the closest, {c.label}, needs {r.over_bytes / 2**30:.1f} GiB per device more than "
-            f"the {r.hbm_per_device_bytes / 2**30:.1f} GiB of HBM; try more devices, a shorter length, or a "
-            "remat policy that keeps less (--remat full,full_offload).")
-  return "Nothing fits or nothing was compiled; the reasons are below."
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -429,7 +274,7 @@ def run(args: argparse.Namespace) -> int:
   for seq_len, rows in ranked.items():
     if not chosen(rows[0][1]):
       log.info("%s tokens: no recipe: %s", cases_lib.tokens(seq_len),
-               _verdict(rows) if args.topology else "no candidate ran")
+               plan_tables.verdict(rows) if args.topology else "no candidate ran")
       continue
     name = "recipe.yml" if len(lengths) == 1 else f"recipe-{cases_lib.tokens(seq_len)}.yml"
     (out / name).write_text(recipe(args.config, rows[0][0], args.overrides))
@@ -445,14 +290,14 @@ def run(args: argparse.Namespace) -> int:
              "the overlap rule maxctx.bench states; a lower bound on step time that ranks candidates by the work "
              "they must do, not by the speed our kernels reach. Candidates that tie there are ranked by memory. "
              + config_text)
-    text = markdown_estimated(ranked, setup)
+    text = plan_tables.markdown_estimated(ranked, setup)
   else:
     import jax
     devices = jax.devices()
     setup = (f"Measured on {n} {devices[0].device_kind} devices ({jax.default_backend()}), 1 warm-up + "
              f"{args.steps} timed steps (median) + 1 profiled step per candidate; every candidate trains the same "
              f"model on the same data and global batch. " + config_text)
-    text = markdown(ranked, setup)
+    text = plan_tables.markdown(ranked, setup)
   (out / "plan.md").write_text(text)
   (out / "plan.jsonl").write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in records))
   print(text)

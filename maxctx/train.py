@@ -33,7 +33,7 @@ from maxctx import data as data_lib
 from maxctx import distributed
 from maxctx import mesh as mesh_lib
 from maxctx import metrics as metrics_lib
-from maxctx import plan as plan_lib
+from maxctx import plan_auto
 from maxctx import preemption as preemption_lib
 from maxctx import run_dir as run_dir_lib
 from maxctx.eval import sweep as eval_sweep
@@ -78,7 +78,7 @@ def fit(config: config_lib.Config) -> Fit:
   devices = jax.devices()
   out_dir = pathlib.Path(config.run.output_dir)
   run_dir_lib.check_writable(config.run.output_dir)
-  config = plan_lib.resolve(config, devices, out_dir / "config.yml")   # attention.strategy auto: measured, or kept
+  config = plan_auto.resolve(config, devices, out_dir / "config.yml")   # attention.strategy auto: measured, or kept
   sizes = validate(config, len(devices), mesh_lib.num_slices_of(devices))
   _check_host_memory(config, sizes)
   mesh = mesh_lib.build_mesh(config.mesh, devices)

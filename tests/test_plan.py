@@ -8,6 +8,7 @@ import pytest
 from maxctx import attention
 from maxctx import config as config_lib
 from maxctx import plan as plan_lib
+from maxctx import plan_tables
 from maxctx import trainer as trainer_lib
 from maxctx.errors import ConfigError
 
@@ -152,5 +153,5 @@ def test_when_nothing_fits_the_plan_names_the_closest_candidate_and_by_how_much(
 
   rows = plan_lib.rank(cands, [over(31.5), over(2.25)])
   assert [r.over_bytes for _, r in rows] == [int(2.25 * 2**30), int(31.5 * 2**30)]
-  assert plan_lib._verdict(rows).startswith(f"Nothing fits: the closest, {cands[1].label}, needs 2.2 GiB per device "
+  assert plan_tables.verdict(rows).startswith(f"Nothing fits: the closest, {cands[1].label}, needs 2.2 GiB per device "
                                             "more than the 95.0 GiB of HBM")

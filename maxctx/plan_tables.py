@@ -1,0 +1,88 @@
+"""The planner's plan.md: every candidate of each length ranked, with the one sentence that says what was chosen and
+why (or, when nothing fits, what came closest), for the measured and the estimated (--topology) modes."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from maxctx.bench import plan as cases_lib
+from maxctx.bench import report
+
+if TYPE_CHECKING:
+  from maxctx.plan import Candidate
+
+
+def chosen(rec: report.Record) -> bool:
+  """Whether a candidate's record can be the plan: it ran (measured) or it fits (estimated)."""
+  return rec.status == "ok" or (rec.status == "estimate" and bool(rec.fits))
+
+
+def _mib(n: int | None) -> str:
+  return "—" if n is None else f"{n / 2**20:,.1f}"
+
+
+def markdown(ranked: dict[int, list[tuple[Candidate, report.Record]]], setup: str) -> str:
+  lines = ["# Plan (measured)", "", setup, ""]
+  for seq_len, rows in ranked.items():
+    best = rows[0][1] if rows and rows[0][1].status == "ok" else None
+    lines += [f"## {cases_lib.tokens(seq_len)} tokens", ""]
+    if best is None:
+      lines += ["No candidate ran at this length; the reasons are below.", ""]
+    else:
+      ok = [r for _, r in rows if r.status == "ok"]
+      runner = f"; runner-up {rows[1][0].label} ({ok[1].tokens_per_s:,.0f} tokens/s)" if len(ok) > 1 else ""
+      lines += [f"Chosen: **{rows[0][0].label}**, {best.tokens_per_s:,.0f} tokens/s, the fastest of {len(ok)} "
+                f"measured{runner}.", ""]
+    lines += ["| rank | candidate | mesh | tokens/s | step s (median) | memory per device MiB, compiled total | "
+              "last loss | status |", "|---:|---|---|---:|---:|---:|---:|---|"]
+    for i, (cand, r) in enumerate(rows, 1):
+      mesh = (" × ".join(f"{a}={s}" for a, s in r.mesh.items() if s > 1) or "1 device") if r.mesh else "—"
+      memory = _mib(r.memory_compiled["total"]) if r.memory_compiled else "—"
+      status = "ok" if r.status == "ok" else f"{r.status}: {r.reason}"
+      lines.append(f"| {i if r.status == 'ok' else '—'} | {cand.label} | {mesh} | "
+                   f"{'—' if r.tokens_per_s is None else f'{r.tokens_per_s:,.0f}'} | "
+                   f"{'—' if r.step_time_s is None else f'{r.step_time_s:.3f}'} | {memory} | "
+                   f"{'—' if r.loss is None else f'{r.loss:.6f}'} | {status} |")
+    lines.append("")
+  return "\n".join(lines)
+
+
+def markdown_estimated(ranked: dict[int, list[tuple[Candidate, report.Record]]], setup: str) -> str:
+  lines = ["# Plan (estimated, compiled)", "", setup, ""]
+  gib = lambda b: "—" if b is None else f"{b / 2**30:,.1f}"  # noqa: E731
+  for seq_len, rows in ranked.items():
+    lines += [f"## {cases_lib.tokens(seq_len)} tokens", "", verdict(rows), ""]
+    lines += ["| rank | candidate | mesh | est. step s | est. MFU | memory per device GiB, compiled | HBM GiB | "
+              "host GiB per device | status |", "|---:|---|---|---:|---:|---:|---:|---:|---|"]
+    for i, (cand, r) in enumerate(rows, 1):
+      mesh = (" × ".join(f"{a}={s}" for a, s in r.mesh.items() if s > 1) or "1 device") if r.mesh else "—"
+      memory = r.memory_compiled or {}
+      status = "fits" if chosen(r) else f"{r.status}: {r.reason}"
+      lines.append(f"| {i if chosen(r) else '—'} | {cand.label} | {mesh} | "
+                   f"{'—' if r.est_step_s is None else f'{r.est_step_s:.3g}'} | "
+                   f"{'—' if r.est_mfu is None else f'{100 * r.est_mfu:.1f}%'} | {gib(memory.get('total'))} | "
+                   f"{gib(r.hbm_per_device_bytes)} | {gib(memory.get('host_temp'))} | {status} |")
+    lines.append("")
+  return "\n".join(lines)
+
+
+def verdict(rows: list[tuple[Candidate, report.Record]]) -> str:
+  """The one sentence that says what a length's plan is, or, when nothing fits, what came closest."""
+  fits = [(c, r) for c, r in rows if chosen(r)]
+  if fits:
+    (best, r), runner = fits[0], fits[1:2]
+    second = (f"; runner-up {runner[0][0].label} (est. step {runner[0][1].est_step_s:.3g} s)" if runner else "")
+    tied = sum(other.est_step_s <= 1.01 * r.est_step_s for _, other in fits[1:])
+    if tied:   # the roofline cannot separate them: memory decided, which the reader must know
+      second += (f"; {tied} other{'s' if tied > 1 else ''} tie{'' if tied > 1 else 's'} with it on the estimate "
+                 "(within 1%), and it needs the least memory of them")
+    return (f"Chosen: **{best.label}**, est. step {r.est_step_s:.3g} s (est. MFU {100 * r.est_mfu:.1f}%), "
+            f"{r.memory_compiled['total'] / 2**30:.1f} GiB per device, the least estimated step time of {len(fits)} "
+            f"that fit{second}.")
+  over = [(c, r) for c, r in rows if r.status in ("estimate", "does_not_fit")]
+  if over and over[0][1].over_bytes:
+    c, r = over[0]
+    return (f"Nothing fits: the closest, {c.label}, needs {r.over_bytes / 2**30:.1f} GiB per device more than "
+            f"the {r.hbm_per_device_bytes / 2**30:.1f} GiB of HBM; try more devices, a shorter length, or a "
+            "remat policy that keeps less (--remat full,full_offload).")
+  return "Nothing fits or nothing was compiled; the reasons are below."
