@@ -41,8 +41,8 @@ def resolve(config: Config, devices, saved: pathlib.Path | None = None) -> Confi
   n, slices = len(devices), mesh_lib.num_slices_of(devices)
   if (kept := _saved_plan(config, saved, n, slices)) is not None:
     return kept
-  cands = plan_lib.candidates(config, cases_lib.parse_strategies(cases_lib.DEFAULT_STRATEGIES), config.data.seq_len,
-                     [config.model.remat], n, slices)
+  strategies = cases_lib.parse_strategies(cases_lib.DEFAULT_STRATEGIES)
+  cands = plan_lib.candidates(config, strategies, config.data.seq_len, [config.model.remat], n, slices)
   valid = [c for c in cands if c.case.config is not None]
   if not valid:
     raise ConfigError(f"attention.strategy auto found no strategy that can run this config on {n} devices, e.g. "
