@@ -3,13 +3,14 @@ why (or, when nothing fits, what came closest), for the measured and the estimat
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 from maxctx.bench import plan as cases_lib
 from maxctx.bench import report
 
-if TYPE_CHECKING:
-  from maxctx.plan import Candidate
+# A length's candidates, ranked: (a maxctx.plan.Candidate, its record). Not imported from there: maxctx.plan imports
+# this module.
+Rows = list[tuple[Any, report.Record]]
 
 
 def chosen(rec: report.Record) -> bool:
@@ -21,7 +22,7 @@ def _mib(n: int | None) -> str:
   return "—" if n is None else f"{n / 2**20:,.1f}"
 
 
-def markdown(ranked: dict[int, list[tuple[Candidate, report.Record]]], setup: str) -> str:
+def markdown(ranked: dict[int, Rows], setup: str) -> str:
   lines = ["# Plan (measured)", "", setup, ""]
   for seq_len, rows in ranked.items():
     best = rows[0][1] if rows and rows[0][1].status == "ok" else None
@@ -47,7 +48,7 @@ def markdown(ranked: dict[int, list[tuple[Candidate, report.Record]]], setup: st
   return "\n".join(lines)
 
 
-def markdown_estimated(ranked: dict[int, list[tuple[Candidate, report.Record]]], setup: str) -> str:
+def markdown_estimated(ranked: dict[int, Rows], setup: str) -> str:
   lines = ["# Plan (estimated, compiled)", "", setup, ""]
   gib = lambda b: "—" if b is None else f"{b / 2**30:,.1f}"  # noqa: E731
   for seq_len, rows in ranked.items():
@@ -66,7 +67,7 @@ def markdown_estimated(ranked: dict[int, list[tuple[Candidate, report.Record]]],
   return "\n".join(lines)
 
 
-def verdict(rows: list[tuple[Candidate, report.Record]]) -> str:
+def verdict(rows: Rows) -> str:
   """The one sentence that says what a length's plan is, or, when nothing fits, what came closest."""
   fits = [(c, r) for c, r in rows if chosen(r)]
   if fits:
