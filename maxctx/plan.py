@@ -3,7 +3,7 @@ compiled and estimated for a TPU slice.
 
     python -m maxctx.plan configs/bench.yml [section.key=value ...] [--lengths 512,1k] [--remat none,full]
         [--strategies none,all_gather,ulysses,ring,usp] [--steps 3] [--out DIR]
-        [--topology v5p-128 [--num-slices N] [--reports DIR] [--no-compile]]
+        [--topology v5p-128 [--num-slices N] [--compile N] [--reports DIR] [--no-compile]]
 
 Candidates, for each length: every strategy at every context degree that divides the devices left by the run's data
 and tensor axes (the rest on fsdp), usp at every ulysses degree between 1 and its context degree, `none` (no context
@@ -14,12 +14,15 @@ Measured mode (no --topology): each valid candidate trains a few steps on the de
 (`maxctx.bench.measure`: the same model, data and global batch every time, so the candidates differ only in how they
 are split), and the plan for a length is the candidate with the most tokens/s.
 
-Topology mode (--topology): nothing runs. Each valid candidate is compiled for the slice (`maxctx.bench.aot`: reports
-cached under --out, or reused from --reports) and estimated with maxctx.bench's roofline; the plan is the candidate
-that fits with the least estimated step time (ties, common when every candidate is compute-bound, go to the one
-needing less memory). When nothing fits, the plan says which candidate came closest and by how many GiB. Every
-candidate is compiled: no analytic model prunes them yet (issue 18), so an 8B plan at millions of tokens takes minutes
-per candidate; narrow it with --strategies and --remat.
+Topology mode (--topology): nothing runs. Every valid candidate is first estimated by the analytic cost model
+(maxctx.plan_model: memory, collective bytes and a roofline step time from the config alone), then compiled for the
+slice in the model's order -- least estimated step time among those it expects to fit, then least memory --
+`--compile N` of them (default 2), and more only until one fits; candidates expected over 1.25 × HBM are not
+compiled (`--compile 0` compiles every candidate). Compiles are cached under --out, or reused from --reports. A compiled candidate is estimated with
+maxctx.bench's roofline from its compiled memory and collectives; the plan is the compiled candidate that fits with
+the least such estimated step time (ties, common when every candidate is compute-bound, go to the one needing less
+memory). When nothing fits, the plan says which candidate came closest and by how many GiB. plan.md lists the model's
+estimate beside the compiler's for every candidate.
 
 Writes to --out (default <run.output_dir>/plan, or plan-<topology>): plan.md (every candidate, ranked), plan.jsonl
 (one record each) and recipe.yml -- the run file with the chosen strategy, mesh and remat, which `maxctx.train` and
@@ -135,25 +138,58 @@ def measure_all(cands: list[Candidate], steps: int) -> list[report.Record]:
   return records
 
 
+# A candidate expected this far over HBM is not compiled: on the compiled steps the model was checked against
+# (README) it was at most 2% over the compiler's total.
+NOT_WORTH_COMPILING = 1.25
+
+
 def estimate_all(cands: list[Candidate], n: int, slices: int, out: pathlib.Path, reports: list[pathlib.Path],
-                 compile_missing: bool) -> list[report.Record]:
-  """Compiles each valid candidate for the topology in its config (reports cached under `out`, or taken from
-  `reports`) and estimates its step with `maxctx.bench`'s roofline; logs each as it finishes."""
+                 compile_missing: bool, budget: int) -> list[report.Record]:
+  """Estimates every valid candidate with the cost model (maxctx.plan_model), then takes them in its order -- least
+  estimated step time among those expected to fit, then least memory -- and compiles each for the topology in its
+  config: `budget` compiles, past that only until one fits (0: every candidate). The memory expected of a candidate is the
+  model's, scaled by the largest compiled / modelled ratio seen so far under its remat policy (the model errs most
+  in what a policy saves), so one compile that does not fit spares its siblings. Reports are cached under `out` or
+  taken from `reports`; a candidate with one is estimated by maxctx.bench's roofline from it. Logs each."""
+  from maxctx import plan_model
+  from maxctx import topology as topology_lib
   from maxctx.bench import aot
-  records = []
   valid = [c for c in cands if c.case.config is not None]
-  for i, cand in enumerate(valid, 1):
-    rec = _record(cand)
-    rec.set(**aot.record(cand.case, mesh_lib.axis_sizes(cand.case.config.mesh, n, slices), out, reports,
-                         compile_missing))
-    if rec.status == "estimate" and rec.fits:
-      log.info("[%d/%d] %s at %s: fits, %.1f GiB per device; est. step %.3g s (%s bound), est. MFU %.1f%% (%s)", i,
-               len(valid), cand.label, rec.length, rec.memory_compiled["total"] / 2**30, rec.est_step_s,
-               rec.est_bound, 100 * rec.est_mfu, rec.source)
-    else:
-      log.info("[%d/%d] %s at %s: %s", i, len(valid), cand.label, rec.length, rec.reason or rec.status)
-    records.append(rec)
-  return records
+  topo = topology_lib.resolve(valid[0].case.config.compile.topology) if valid else None
+  sizes = {c: mesh_lib.axis_sizes(c.case.config.mesh, n, slices) for c in valid}
+  model = {c: plan_model.estimate(c.case.config, sizes[c], topo) for c in valid}
+  hbm = topo.hbm_bytes if topo else 0
+  ratio: dict[str, float] = {}   # remat policy -> compiled / modelled memory, the largest seen
+
+  def expected(c: Candidate) -> float:
+    return model[c].total * ratio.get(c.remat, 1.0)
+
+  records, left, compiled, fitting = {}, list(valid), 0, 0
+  while left:
+    cand = min(left, key=lambda c: (expected(c) > hbm, model[c].step_s, expected(c)))
+    left.remove(cand)
+    est, want = model[cand], expected(cand)
+    may_compile = compile_missing and (not budget or want <= NOT_WORTH_COMPILING * hbm and (compiled < budget
+                                                                                            or not fitting))
+    rec = _record(cand).set(mesh=sizes[cand], hbm_per_device_bytes=hbm, **est.fields())
+    rec.set(**aot.record(cand.case, sizes[cand], out, reports, may_compile))
+    compiled += (rec.source or "").startswith("compiled")
+    fitting += chosen(rec)
+    if rec.memory_compiled:
+      ratio[cand.remat] = max(ratio.get(cand.remat, 0.0), rec.memory_compiled["total"] / est.total)
+    if rec.status == "missing" and compile_missing and budget and want > NOT_WORTH_COMPILING * hbm:
+      scaled = (f" (the cost model's {est.total / 2**30:.1f} × {ratio[cand.remat]:.2f}, as compiled under "
+                f"remat={cand.remat})" if cand.remat in ratio else "")
+      rec.set(reason=f"not compiled: expected to need {want / 2**30:.1f} GiB per device of {hbm / 2**30:.1f} GiB "
+                     f"HBM{scaled}")
+    elif rec.status == "missing" and compile_missing and budget:
+      rec.set(reason=f"not compiled: ranked below the {compiled} compiled (--compile {budget})")
+    memory = (f"{rec.memory_compiled['total'] / 2**30:.1f} GiB compiled, " if rec.memory_compiled else "")
+    log.info("[%d/%d] %s at %s: %smodel %.1f GiB, est. step %.3g s: %s", len(records) + 1, len(valid), cand.label,
+             rec.length, memory, est.total / 2**30, rec.est_step_s or est.step_s,
+             "fits" if chosen(rec) else rec.reason or rec.status)
+    records[cand] = rec
+  return [records[c] for c in valid]
 
 
 def _order(rec: report.Record) -> tuple:
@@ -163,7 +199,10 @@ def _order(rec: report.Record) -> tuple:
     return (0, rec.est_step_s if rec.est_step_s is not None else float("inf"), rec.memory_compiled["total"])
   if rec.status in ("estimate", "does_not_fit"):   # closest to fitting first
     return (1, rec.over_bytes if rec.over_bytes is not None else float("inf"))
-  return (2,) if rec.status != "refused" else (3,)
+  if rec.status == "missing":   # not compiled: in the cost model's order
+    over = (rec.model_memory_total or float("inf")) > (rec.hbm_per_device_bytes or 0)
+    return (2, over, rec.model_step_s or float("inf"), rec.model_memory_total or float("inf"))
+  return (3,) if rec.status != "refused" else (4,)
 
 
 def rank(cands: list[Candidate], records: list[report.Record]) -> list[tuple[Candidate, report.Record]]:
@@ -216,6 +255,9 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--num-slices", type=int, default=1, help="with --topology: slices over DCN (default 1)")
   p.add_argument("--reports", action="append", default=[],
                  help="with --topology: a directory of maxctx.compile --json reports to reuse (repeatable)")
+  p.add_argument("--compile", type=int, default=2, metavar="N",
+                 help="with --topology: compile the N candidates the cost model ranks best, and more only until one "
+                      "fits (default 2; 0 compiles every candidate)")
   p.add_argument("--no-compile", action="store_true",
                  help="with --topology: use cached or given reports only, compile nothing")
   return p
@@ -238,6 +280,8 @@ def run(args: argparse.Namespace) -> int:
   remats = _remats(args.remat, config)
   if args.steps < 1:
     raise ConfigError(f"--steps is {args.steps}; time at least one step per candidate.")
+  if args.compile < 0:
+    raise ConfigError(f"--compile is {args.compile}; give how many candidates to compile, or 0 for all of them.")
   if args.topology:   # every candidate is compiled for it (maxctx.compile reads the config's compile section)
     from maxctx import topology as topology_lib
     from maxctx.bench import roofline
@@ -260,11 +304,13 @@ def run(args: argparse.Namespace) -> int:
     raise ConfigError(f"no candidate can run: e.g. {first.label}: {first.case.refused}")
   out = pathlib.Path(args.out or f"{config.run.output_dir}/plan" + (f"-{args.topology}" if args.topology else ""))
   out.mkdir(parents=True, exist_ok=True)  # only now: a refused command leaves nothing behind
-  log.info("%d candidates to %s (%d refused) for %s, into %s", valid, "compile" if args.topology else "measure",
+  log.info("%d candidates to %s (%d refused) for %s, into %s", valid,
+           "estimate and compile" if args.topology else "measure",
            sum(len(cs) for cs in by_length.values()) - valid, where, out)
   ranked, records = {}, []
   for seq_len, cands in by_length.items():
-    found = (estimate_all(cands, n, slices, out, [pathlib.Path(d) for d in args.reports], not args.no_compile)
+    found = (estimate_all(cands, n, slices, out, [pathlib.Path(d) for d in args.reports], not args.no_compile,
+                          args.compile)
              if args.topology else measure_all(cands, args.steps))
     ranked[seq_len] = rank(cands, found)
     records += [{"candidate": c.label, "context": c.context, "ulysses": c.ulysses, "remat": c.remat,

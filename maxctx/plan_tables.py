@@ -22,6 +22,23 @@ def _mib(n: int | None) -> str:
   return "—" if n is None else f"{n / 2**20:,.1f}"
 
 
+def _considered(rows: Rows) -> Rows:
+  return [(c, r) for c, r in rows if r.status != "refused"]
+
+
+def _refused(rows: Rows) -> list[str]:
+  """The refused candidates, one line per reason (a batch of one sequence refuses every split but one, so a slice's
+  plan can refuse a hundred candidates for the same sentence)."""
+  by_reason: dict[str, list[str]] = {}
+  for cand, r in rows:
+    if r.status == "refused":
+      by_reason.setdefault(r.reason or "", []).append(cand.label)
+  lines = [f"Refused ({sum(map(len, by_reason.values()))}), by `maxctx.trainer.validate`:", ""] if by_reason else []
+  for reason, labels in by_reason.items():
+    lines.append(f"- {len(labels)} candidate{'s' if len(labels) > 1 else ''} ({', '.join(labels)}): {reason}")
+  return lines + ([""] if lines else [])
+
+
 def markdown(ranked: dict[int, Rows], setup: str) -> str:
   lines = ["# Plan (measured)", "", setup, ""]
   for seq_len, rows in ranked.items():
@@ -36,7 +53,7 @@ def markdown(ranked: dict[int, Rows], setup: str) -> str:
                 f"measured{runner}.", ""]
     lines += ["| rank | candidate | mesh | tokens/s | step s (median) | memory per device MiB, compiled total | "
               "last loss | status |", "|---:|---|---|---:|---:|---:|---:|---|"]
-    for i, (cand, r) in enumerate(rows, 1):
+    for i, (cand, r) in enumerate(_considered(rows), 1):
       mesh = (" × ".join(f"{a}={s}" for a, s in r.mesh.items() if s > 1) or "1 device") if r.mesh else "—"
       memory = _mib(r.memory_compiled["total"]) if r.memory_compiled else "—"
       status = "ok" if r.status == "ok" else f"{r.status}: {r.reason}"
@@ -44,7 +61,7 @@ def markdown(ranked: dict[int, Rows], setup: str) -> str:
                    f"{'—' if r.tokens_per_s is None else f'{r.tokens_per_s:,.0f}'} | "
                    f"{'—' if r.step_time_s is None else f'{r.step_time_s:.3f}'} | {memory} | "
                    f"{'—' if r.loss is None else f'{r.loss:.6f}'} | {status} |")
-    lines.append("")
+    lines += ["", *_refused(rows)]
   return "\n".join(lines)
 
 
@@ -53,17 +70,24 @@ def markdown_estimated(ranked: dict[int, Rows], setup: str) -> str:
   gib = lambda b: "—" if b is None else f"{b / 2**30:,.1f}"  # noqa: E731
   for seq_len, rows in ranked.items():
     lines += [f"## {cases_lib.tokens(seq_len)} tokens", "", verdict(rows), ""]
-    lines += ["| rank | candidate | mesh | est. step s | est. MFU | memory per device GiB, compiled | HBM GiB | "
-              "host GiB per device | status |", "|---:|---|---|---:|---:|---:|---:|---:|---|"]
-    for i, (cand, r) in enumerate(rows, 1):
+    estimated = [r for _, r in rows if r.model_step_s is not None]
+    compiled = sum(r.memory_compiled is not None or r.status == "estimate" for r in estimated)
+    if estimated:
+      lines += [f"The cost model estimated {len(estimated)} candidates; {compiled} of them have a compiled step "
+                "(compiled here, cached or reported), in the model's order.", ""]
+    lines += ["| rank | candidate | mesh | model: GiB per device | model: step s | compiled: GiB per device | "
+              "est. step s | est. MFU | HBM GiB | host GiB per device | status |",
+              "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for i, (cand, r) in enumerate(_considered(rows), 1):
       mesh = (" × ".join(f"{a}={s}" for a, s in r.mesh.items() if s > 1) or "1 device") if r.mesh else "—"
       memory = r.memory_compiled or {}
       status = "fits" if chosen(r) else f"{r.status}: {r.reason}"
-      lines.append(f"| {i if chosen(r) else '—'} | {cand.label} | {mesh} | "
+      lines.append(f"| {i if chosen(r) else '—'} | {cand.label} | {mesh} | {gib(r.model_memory_total)} | "
+                   f"{'—' if r.model_step_s is None else f'{r.model_step_s:.3g}'} | {gib(memory.get('total'))} | "
                    f"{'—' if r.est_step_s is None else f'{r.est_step_s:.3g}'} | "
-                   f"{'—' if r.est_mfu is None else f'{100 * r.est_mfu:.1f}%'} | {gib(memory.get('total'))} | "
+                   f"{'—' if r.est_mfu is None else f'{100 * r.est_mfu:.1f}%'} | "
                    f"{gib(r.hbm_per_device_bytes)} | {gib(memory.get('host_temp'))} | {status} |")
-    lines.append("")
+    lines += ["", *_refused(rows)]
   return "\n".join(lines)
 
 

@@ -118,27 +118,64 @@ def test_train_resolves_strategy_auto_logs_its_choice_and_keeps_it_on_resume(tmp
     trainer_lib.validate(config_lib.load("configs/demo.yml", ["attention.strategy=auto"]), 8)
 
 
-def test_topology_plan_compiles_candidates_ranks_estimates_and_writes_a_recipe_for_the_slice(tmp_path):
-  # The planner for a TPU slice it does not run on: every candidate compiled for v5p-8 (4 devices; the run file's
-  # fsdp × context is for 8, so only its data and tensor axes are kept: data=2 leaves 2 devices, for none or ring
-  # c=2), ranked by maxctx.bench's estimate.
+def test_topology_plan_compiles_the_best_estimated_and_writes_a_recipe_for_the_slice(tmp_path):
+  # The planner for a TPU slice it does not run on, compiling for v5p-8 (4 devices; the run file's fsdp × context is
+  # for 8, so only its data and tensor axes are kept: data=2 leaves 2 devices, for none or ring c=2). With
+  # --compile 1 only the candidate the cost model ranks first is compiled, and it fits: the plan.
   args = ["configs/bench.yml", "data.batch_size=4", "mesh.ici.data=2", "--topology", "v5p-8", "--strategies",
-          "none,ring", "--lengths", "512", "--out", str(tmp_path)]
+          "none,ring", "--lengths", "512", "--compile", "1", "--out", str(tmp_path)]
   assert plan_lib.main(args) == 0
   records = [json.loads(line) for line in (tmp_path / "plan.jsonl").read_text().splitlines()]
-  assert all(r["status"] == "estimate" and r["fits"] for r in records)
-  steps = [r["est_step_s"] for r in records]
-  assert [r["rank"] for r in records] == [1, 2] and steps == sorted(steps)
-  assert all(r["source"].startswith("compiled") for r in records)
+  best, other = records
+  assert best["status"] == "estimate" and best["fits"] and best["source"].startswith("compiled")
+  assert best["rank"] == 1 and best["model_step_s"] <= other["model_step_s"]
+  assert other["status"] == "missing" and other["reason"] == "not compiled: ranked below the 1 compiled (--compile 1)"
+  assert best["model_memory_total"] > 0 and best["memory_compiled"]["total"] > 0
   recipe = config_lib.load(tmp_path / "recipe.yml")
-  best = records[0]
   assert recipe.compile.topology == "v5p-8" and {a: getattr(recipe.mesh.ici, a) for a in best["mesh"]} == best["mesh"]
   trainer_lib.validate(recipe, 4, platform="tpu")
-  assert "Chosen: **" + best["candidate"] in (tmp_path / "plan.md").read_text()
-  # Again from the reports cached beside the plan: nothing compiles.
+  plan_md = (tmp_path / "plan.md").read_text()
+  assert "Chosen: **" + best["candidate"] in plan_md and "The cost model estimated 2 candidates; 1 of them" in plan_md
+  # Again from the report cached beside the plan: nothing compiles.
   assert plan_lib.main(args + ["--no-compile"]) == 0
-  assert all(json.loads(line)["source"].startswith("cache") for line in (tmp_path / "plan.jsonl").read_text()
-             .splitlines())
+  assert json.loads((tmp_path / "plan.jsonl").read_text().splitlines()[0])["source"].startswith("cache")
+
+
+def test_topology_plan_compiles_in_the_cost_models_order_and_learns_from_each_compile(tmp_path, monkeypatch):
+  # Llama 3.1 8B at 1M tokens on v5p-128 (64 devices, a batch of one sequence: context over all of them), without
+  # compiling: aot.record is replaced by a compiler whose steps need 6× the model's memory under save_attention_out
+  # and exactly the model's otherwise. The planner compiles in the model's order; the first save_attention_out
+  # compile teaches it that its siblings will not fit either, so it skips them and compiles the next policy; after
+  # --compile 2, one of which fits, it compiles nothing more.
+  from maxctx import plan_model
+  from maxctx import topology as topology_lib
+  from maxctx.bench import aot
+  config = config_lib.load("configs/recipes/llama3.1-8b-1m-ring-v5p-128.yml")
+  cands = plan_lib.candidates(config, ["ring", "usp"], 1 << 20, ["full", "save_attention_out"], 64, platform="tpu")
+  topo = topology_lib.resolve("v5p-128")
+  compiled = []
+
+  def record(case, mesh, out, reports, compile_missing):
+    if not compile_missing:
+      return {"status": "missing", "reason": "not compiled"}
+    need = plan_model.estimate(case.config, mesh, topo).total
+    need *= 6 if case.config.model.remat == "save_attention_out" else 1
+    compiled.append((case.config.attention.strategy, case.config.attention.ulysses_degree, case.config.model.remat))
+    return {"status": "estimate", "source": "compiled in 1 s", "fits": need <= topo.hbm_bytes, "est_step_s": 1.0,
+            "est_mfu": 0.5, "memory_compiled": {"total": need}, "over_bytes": max(0, need - topo.hbm_bytes)}
+
+  monkeypatch.setattr(aot, "record", record)
+  records = plan_lib.estimate_all(cands, 64, 1, tmp_path, [], True, 2)
+  # save_attention_out is modelled faster (attention is not run again) and under HBM, so it goes first.
+  assert compiled == [("ring", None, "save_attention_out"), ("ring", None, "full")]
+  by_label = {c.label: r for c, r in zip([c for c in cands if c.case.config is not None], records)}
+  skipped = by_label["usp c=64 u=2 remat=save_attention_out"].reason
+  assert skipped.startswith("not compiled: expected to need") and "× 6.00, as compiled under remat=save" in skipped
+  assert by_label["usp c=64 u=2 remat=full"].reason == "not compiled: ranked below the 2 compiled (--compile 2)"
+  assert all(r.model_memory_total and r.model_step_s for r in records)
+  ranked = plan_lib.rank(cands, records)
+  assert ranked[0][0].label == "ring c=64 remat=full" and "Chosen: **ring c=64 remat=full**" in plan_tables.verdict(
+      ranked)
 
 
 def test_when_nothing_fits_the_plan_names_the_closest_candidate_and_by_how_much():

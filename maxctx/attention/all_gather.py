@@ -36,6 +36,11 @@ class AllGather(Strategy):
     return Traffic(forward={"all-gather": kv_bytes * (g - 1)}, backward={"reduce-scatter": kv_bytes * (g - 1)},
                    once={"all-gather": ids_bytes(rows, t) * (g - 1)})
 
+  def buffer_bytes(self, p, rows, head_dim, dtype_bytes):
+    # The whole sequence's K and V gathered for the forward and again for the backward, and dK, dV summed in float32
+    # before the reduce-scatter (compiled: README, the all_gather rows of the TPU estimates).
+    return rows * p.seq_len * (p.n_kv_heads // p.tensor) * head_dim * (4 * dtype_bytes + 2 * 4)
+
   def held_kv_bytes(self, p, rows, head_dim, dtype_bytes):
     # The whole sequence's K and V (gathered) and dK, dV (before the reduce-scatter), for the device's KV heads.
     return 4 * rows * p.seq_len * (p.n_kv_heads // p.tensor) * head_dim * dtype_bytes

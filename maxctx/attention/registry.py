@@ -101,6 +101,12 @@ class Strategy:
     of its own share (the compiled step's memory is then the measure)."""
     return 0
 
+  def buffer_bytes(self, p: Problem, rows: int, head_dim: int, dtype_bytes: int) -> float:
+    """Bytes of attention buffers one device holds at a layer's backward peak beyond its own q, k, v, output and
+    their gradients, for `rows` sequences per device: the planner's estimate (maxctx.plan_model, checked there
+    against compiled steps), not a bound. 0 where the strategy works on its own share only."""
+    return 0.0
+
   def traffic(self, p: Problem, rows: int, head_dim: int, dtype_bytes: int) -> Traffic | None:
     """The bytes one device sends for attention with `rows` sequences per device, from the shapes alone (gradients
     that the strategy accumulates in float32 travel as 4 bytes); None where the strategy does not model them."""

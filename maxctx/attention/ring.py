@@ -260,6 +260,12 @@ class _Ring:
     return jax.lax.fori_loop(0, self.passes(n), one, grads)
 
 
+def ring_buffer_bytes(kv_elements: float, dtype_bytes: int) -> float:
+  """A ring's blocks in flight, from one device's K (or V) elements: the K/V block it works on and the one arriving,
+  and their float32 dK/dV accumulators, also two (one travelling)."""
+  return 2 * 2 * kv_elements * (dtype_bytes + 4)
+
+
 def ring_traffic(hops: int, kv_bytes: float, ids: float, dkv_bytes: float) -> tuple[float, float]:
   """(forward, backward) collective-permute bytes of one layer's ring: K/V (`kv_bytes` a hop) and their ids travel
   hops - 1 times each way; in the backward the float32 dK/dV accumulators (`dkv_bytes`) travel all `hops` to come
@@ -274,6 +280,9 @@ class Ring(Strategy):
   def validate(self, p):
     super().validate(p)
     self.require_chunked(p, self.name)
+
+  def buffer_bytes(self, p, rows, head_dim, dtype_bytes):
+    return ring_buffer_bytes(rows * p.seq_len // p.context * (p.n_kv_heads // p.tensor) * head_dim, dtype_bytes)
 
   def traffic(self, p, rows, head_dim, dtype_bytes):
     t = p.seq_len // p.context

@@ -89,6 +89,12 @@ def check_heads(p, degree: int, name: str, fix: str) -> None:
                       f"all-to-all degree of {degree}, which does not divide them; {fix}")
 
 
+def relayout_bytes(p, rows: int, head_dim: int, dtype_bytes: int) -> float:
+  """q, k, v and the output once more in the all-to-all's other layout (all tokens of a share of the heads: the same
+  bytes as the device's own tokens of all of them)."""
+  return rows * p.seq_len // p.context * (2 * p.n_heads + 2 * p.n_kv_heads) // p.tensor * head_dim * dtype_bytes
+
+
 @register
 class Ulysses(Strategy):
   name = "ulysses"
@@ -96,6 +102,9 @@ class Ulysses(Strategy):
   def validate(self, p):
     super().validate(p)
     check_heads(p, p.context, self.name, "use ring, or usp with an attention.ulysses_degree that divides them.")
+
+  def buffer_bytes(self, p, rows, head_dim, dtype_bytes):
+    return relayout_bytes(p, rows, head_dim, dtype_bytes)
 
   def traffic(self, p, rows, head_dim, dtype_bytes):
     # Forward: q and the (copied) K, V to head sharding, the output back; backward: the output's cotangent to heads,

@@ -17,8 +17,8 @@ import math
 from maxctx import sharding
 from maxctx.attention import kernels
 from maxctx.attention.registry import Strategy, Traffic, ids_bytes, register
-from maxctx.attention.ring import ring_attention, ring_traffic
-from maxctx.attention.ulysses import AllToAll, check_heads, kv_replication
+from maxctx.attention.ring import ring_attention, ring_buffer_bytes, ring_traffic
+from maxctx.attention.ulysses import AllToAll, check_heads, kv_replication, relayout_bytes
 from maxctx.errors import ConfigError
 
 
@@ -39,6 +39,11 @@ class USP(Strategy):
       raise ConfigError(f"attention.ulysses_degree {degree} does not divide the context degree {p.context}; "
                         f"choose a divisor of {p.context}.")
     check_heads(p, degree, self.name, "choose a smaller attention.ulysses_degree.")
+
+  def buffer_bytes(self, p, rows, head_dim, dtype_bytes):
+    # The ring between groups carries the group's u·t tokens of the device's share of heads: its own t tokens' bytes.
+    kv = rows * p.seq_len // p.context * (p.n_kv_heads // p.tensor) * head_dim
+    return ring_buffer_bytes(kv, dtype_bytes) + relayout_bytes(p, rows, head_dim, dtype_bytes)
 
   def traffic(self, p, rows, head_dim, dtype_bytes):
     # All-to-alls inside groups of u: forward q, the (copied) K/V and the output; backward q, the output's cotangent,

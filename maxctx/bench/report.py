@@ -85,6 +85,14 @@ class Record:
   est_kernel_efficiency: tuple[float, float] | None = None
   est_step_s_range: tuple[float, float] | None = None
   est_mfu_range: tuple[float, float] | None = None
+  # The planner's analytic cost model (maxctx.plan_model), before any compile: bytes per device, seconds.
+  model_memory: dict[str, float] | None = None
+  model_memory_total: float | None = None
+  model_host: float | None = None
+  model_collective_bytes: dict[str, float] | None = None
+  model_step_s: float | None = None
+  model_bound: str | None = None
+  model_mfu: float | None = None
 
   def set(self, **fields: Any) -> Record:
     """Fills fields by name; a name the record does not have is a bug, caught here rather than lost in JSON."""
