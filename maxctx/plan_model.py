@@ -59,7 +59,7 @@ _BYTES = {"float32": 4, "bfloat16": 2}
 @dataclasses.dataclass(frozen=True)
 class Estimate:
   """One candidate's analytic estimate, per device (bytes, seconds)."""
-  memory: dict[str, float]            # by part: state, gradients, saved, layer, vocab, attention
+  memory: dict[str, float]            # by part: state, gradients, saved, layer, vocab, and mlp or attention
   host: float                         # host memory per device (remat full_offload's saved layer inputs)
   collective_bytes: dict[str, float]  # sent per step: attention kinds as Strategy.traffic names them, and "zero"
   compute_s: float
@@ -91,13 +91,13 @@ class Estimate:
             "model_mfu": self.mfu}
 
 
-def _mesh(config: Config, sizes: dict[str, int]) -> dict[str, int]:
+def _mesh(sizes: dict[str, int]) -> dict[str, int]:
   return {a: sizes.get(a, 1) for a in ("data", "fsdp", "context", "tensor")}
 
 
 def memory(config: Config, sizes: dict[str, int], platform: str = "tpu") -> tuple[dict[str, float], float]:
   """(bytes per device by part, host bytes per device); see the module's docstring for each part."""
-  m, a, mesh = config.model, config.attention, _mesh(config, sizes)
+  m, a, mesh = config.model, config.attention, _mesh(sizes)
   act, pb = _BYTES[m.dtype], _BYTES[m.param_dtype]
   tp = mesh["tensor"]
   rows = max(config.data.batch_size // (mesh["data"] * mesh["fsdp"] * config.optim.grad_accum), 1)
@@ -145,7 +145,7 @@ def memory(config: Config, sizes: dict[str, int], platform: str = "tpu") -> tupl
 def collective_bytes(config: Config, sizes: dict[str, int], platform: str = "tpu") -> dict[str, float]:
   """Bytes one device sends per step, by kind: the strategy's attention traffic, and "zero" (ZeRO-3's parameter
   gathers and gradient reductions, whatever collective the compiler lowers them to)."""
-  m, mesh = config.model, _mesh(config, sizes)
+  m, mesh = config.model, _mesh(sizes)
   act, pb = _BYTES[m.dtype], _BYTES[m.param_dtype]
   tp = mesh["tensor"]
   rows = max(config.data.batch_size // (mesh["data"] * mesh["fsdp"] * config.optim.grad_accum), 1)

@@ -159,6 +159,7 @@ CASES = [
     ("plan-unknown-strategy", "plan", ["--strategies=rings"], ["rings"]),
     ("plan-bad-remat", "plan", ["--remat=none,fulll"], ["fulll", "not a remat policy"]),
     ("plan-nothing-valid", "plan", ["--strategies=ulysses", "--lengths=98"], ["no candidate can run"]),
+    ("plan-negative-compile", "plan", ["--topology=v5p-8", "--compile=-1"], ["--compile is -1"]),
     # attention.strategy auto: planned by maxctx.train alone; nothing to choose from is one sentence too
     ("train-auto-nothing-runs", "train", ["attention.strategy=auto", "attention.kernel=flash"],
      ["auto found no strategy", "runs only on tpu or gpu"]),
