@@ -95,12 +95,17 @@ def _mesh(sizes: dict[str, int]) -> dict[str, int]:
   return {a: sizes.get(a, 1) for a in ("data", "fsdp", "context", "tensor")}
 
 
+def _rows(config: Config, mesh: dict[str, int]) -> int:
+  """Sequences per device in one microbatch (at least one)."""
+  return max(config.data.batch_size // (mesh["data"] * mesh["fsdp"] * config.optim.grad_accum), 1)
+
+
 def memory(config: Config, sizes: dict[str, int], platform: str = "tpu") -> tuple[dict[str, float], float]:
   """(bytes per device by part, host bytes per device); see the module's docstring for each part."""
   m, a, mesh = config.model, config.attention, _mesh(sizes)
   act, pb = _BYTES[m.dtype], _BYTES[m.param_dtype]
   tp = mesh["tensor"]
-  rows = max(config.data.batch_size // (mesh["data"] * mesh["fsdp"] * config.optim.grad_accum), 1)
+  rows = _rows(config, mesh)
   per_row = config.data.seq_len // mesh["context"]
   t = rows * per_row
   d, f = m.d_model, m.d_ff // tp
@@ -148,7 +153,7 @@ def collective_bytes(config: Config, sizes: dict[str, int], platform: str = "tpu
   m, mesh = config.model, _mesh(sizes)
   act, pb = _BYTES[m.dtype], _BYTES[m.param_dtype]
   tp = mesh["tensor"]
-  rows = max(config.data.batch_size // (mesh["data"] * mesh["fsdp"] * config.optim.grad_accum), 1)
+  rows = _rows(config, mesh)
   out: dict[str, float] = {}
   if mesh["context"] > 1:
     problem = trainer_lib.attention_problem(config, mesh, platform)
@@ -202,7 +207,5 @@ def estimate(config: Config, sizes: dict[str, int], topo: topology_lib.Topology)
   peak = chip.bf16_tflops * 1e12 / per_chip
   compute_s = (step_flops + recomputed_flops(config)) / devices / peak
   memory_s = 2 * sum(parts.values()) / (chip.hbm_gb_s * GB / per_chip)   # the roofline's argument + output + 2 × temp
-  ring = coll.get("collective-permute", 0.0)
-  per_link = ring + (sum(coll.values()) - ring) / (chip.ici_links / per_chip)
-  return Estimate(parts, host, coll, compute_s, memory_s, per_link / (chip.link_gb_s * GB), step_flops,
-                  peak * devices)
+  network_s = roofline.bytes_per_link(coll, chip, per_chip) / (chip.link_gb_s * GB)
+  return Estimate(parts, host, coll, compute_s, memory_s, network_s, step_flops, peak * devices)

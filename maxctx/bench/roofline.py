@@ -62,6 +62,13 @@ def table() -> str:
   return "\n".join(lines)
 
 
+def bytes_per_link(sent: dict[str, float], chip: chips.Chip, per_chip: int) -> float:
+  """Bytes per ICI link of one device's collectives by kind: a ring hop (collective-permute or -broadcast) uses one
+  link; the rest spread over all of the chip's links, shared by its devices."""
+  ring = sent.get("collective-permute", 0) + sent.get("collective-broadcast", 0)
+  return ring + (sum(sent.values()) - ring) / (chip.ici_links / per_chip)
+
+
 def estimate(report: CompileReport, topo: topology_lib.Topology) -> dict[str, Any]:
   """The roofline estimate of one compiled step (fields prefixed `est_`); empty parts stay None."""
   chip = chip_for(topo)
@@ -80,9 +87,7 @@ def estimate(report: CompileReport, topo: topology_lib.Topology) -> dict[str, An
     for scope in ("bytes_attention", "bytes_other"):
       for kind, b in coll[scope].items():
         sent[kind] = sent.get(kind, 0) + b
-    ring = sent.get("collective-permute", 0) + sent.get("collective-broadcast", 0)
-    spread = sum(sent.values()) - ring
-    per_link = ring + spread / (chip.ici_links / per_chip)
+    per_link = bytes_per_link(sent, chip, per_chip)
     out["est_bytes_per_link"] = per_link
     out["est_network_s"] = per_link / (chip.link_gb_s * GB)
   parts = [(v, name) for name, v in (("compute", compute_s), ("HBM", out["est_memory_s"]),
