@@ -20,8 +20,19 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # the first process of the se
   atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 import jax  # noqa: E402  (after the flags above)
+import pytest  # noqa: E402
 
+# The CPU tests compare numbers with float32 references, so matmuls run at full float32 precision.
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+@pytest.fixture
+def users_matmul_precision():
+  """Compiles for a TPU in the precision `python -m maxctx.compile` uses, the default: under the suite's `highest` the
+  TPU compiler emulates every float32 matmul in several bfloat16 passes, a program no user compiles (other memory
+  figures), and compiles it twice as slowly (the tiny step for v5p:2x2x1: 74 s against 39 alone on one core)."""
+  with jax.default_matmul_precision("default"):
+    yield
 
 
 def pytest_collection_modifyitems(items):

@@ -136,6 +136,7 @@ def test_roofline_estimate_is_the_largest_part_and_labelled():
 
 
 @needs_libtpu
+@pytest.mark.usefixtures("users_matmul_precision")   # compiles for a TPU: see tests/conftest.py
 def test_topology_compiles_estimates_and_reuses_reports(tmp_path):
   out = tmp_path / "a"
   args = ["configs/bench.yml", "data.batch_size=4", "--context", "4", "--topology", "v5p-8", "--strategies",

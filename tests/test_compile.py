@@ -13,6 +13,8 @@ from maxctx import trainer as trainer_lib
 from maxctx import topology
 from maxctx.errors import ConfigError
 
+pytestmark = pytest.mark.usefixtures("users_matmul_precision")   # see tests/conftest.py
+
 needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
                                   reason="libtpu is not installed (pip install -e '.[tpu]'); it compiles for TPUs")
 

@@ -118,6 +118,7 @@ def test_train_resolves_strategy_auto_logs_its_choice_and_keeps_it_on_resume(tmp
     trainer_lib.validate(config_lib.load("configs/demo.yml", ["attention.strategy=auto"]), 8)
 
 
+@pytest.mark.usefixtures("users_matmul_precision")   # compiles for a TPU: see tests/conftest.py
 def test_topology_plan_compiles_the_best_estimated_and_writes_a_recipe_for_the_slice(tmp_path):
   # The planner for a TPU slice it does not run on, compiling for v5p-8 (4 devices; the run file's fsdp × context is
   # for 8, so only its data and tensor axes are kept: data=2 leaves 2 devices, for none or ring c=2). With
