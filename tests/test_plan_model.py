@@ -76,12 +76,15 @@ def test_compute_counts_what_each_remat_policy_runs_again():
 
 
 def test_collective_bytes_are_the_strategys_traffic_plus_zero3():
-  config = config_lib.load("configs/recipes/llama3.1-8b-1m-ring-tpu7x-128.yml")
+  config = config_lib.load("configs/recipes/llama3.1-8b-1m-ring-tpu7x-128.yml", ["model.remat=full"])
   sizes, _ = _all_devices_on_context(config)
-  coll = plan_model.collective_bytes(config, sizes, "tpu")
   problem = trainer_lib.attention_problem(config, sizes, "tpu")
-  ring = attention.get("ring").traffic(problem, 1, config.model.head_dim, 2).step(config.model.n_layers, 2)
-  assert {k: v for k, v in coll.items() if k != "zero"} == ring
+  traffic = attention.get("ring").traffic(problem, 1, config.model.head_dim, 2)
+  # Under `full` the backward runs attention's forward, and so its ring, again; under `save_attention_out` it does not.
+  for remat, forward_runs in (("full", 2), ("save_attention_out", 1)):
+    coll = plan_model.collective_bytes(config.replace(**{"model.remat": remat}), sizes, "tpu")
+    assert {k: v for k, v in coll.items() if k != "zero"} == traffic.step(config.model.n_layers, forward_runs)
+  coll = plan_model.collective_bytes(config, sizes, "tpu")
   # ZeRO-3 over 128 devices: the layers' bf16 weights gathered twice (forward and backward, under remat) as TPU
   # all-reduces (2 × (G-1)/G of the array), their gradient reduce-scattered once, and the embedding and head.
   layers = 32 * (4096 * 128 * (2 * 32 + 2 * 8) + 3 * 4096 * 14336 + 2 * 4096)
