@@ -98,9 +98,11 @@ def verdict(rows: Rows) -> str:
     (best, r), runner = fits[0], fits[1:2]
     second = (f"; runner-up {runner[0][0].label} (est. step {runner[0][1].est_step_s:.3g} s)" if runner else "")
     tied = sum(other.est_step_s <= 1.01 * r.est_step_s for _, other in fits[1:])
-    if tied:   # the roofline cannot separate them: memory decided, which the reader must know
+    if tied:   # the roofline cannot separate them: host offload and memory decided, which the reader must know
+      offloads = (r.memory_compiled or {}).get("host_temp")
       second += (f"; {tied} other{'s' if tied > 1 else ''} tie{'' if tied > 1 else 's'} with it on the estimate "
-                 "(within 1%), and it needs the least memory of them")
+                 "(within 1%), and it needs the least memory of them" + ("" if offloads else
+                 " that keep nothing in host memory (whose copies the estimate does not count)"))
     return (f"Chosen: **{best.label}**, est. step {r.est_step_s:.3g} s (est. MFU {100 * r.est_mfu:.1f}%), "
             f"{r.memory_compiled['total'] / 2**30:.1f} GiB per device, the least estimated step time of {len(fits)} "
             f"that fit{second}.")

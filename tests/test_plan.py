@@ -144,15 +144,15 @@ def test_topology_plan_compiles_the_best_estimated_and_writes_a_recipe_for_the_s
 
 def test_topology_plan_compiles_in_the_cost_models_order_and_learns_from_each_compile(tmp_path, monkeypatch):
   # Llama 3.1 8B at 1M tokens on v5p-128 (64 devices, a batch of one sequence: context over all of them), without
-  # compiling: aot.record is replaced by a compiler whose steps need 6× the model's memory under save_attention_out
-  # and exactly the model's otherwise. The planner compiles in the model's order; the first save_attention_out
+  # compiling: aot.record is replaced by a compiler whose steps need 6× the model's memory under save_dots
+  # and exactly the model's otherwise. The planner compiles in the model's order; the first save_dots
   # compile teaches it that its siblings will not fit either, so it skips them and compiles the next policy; after
   # --compile 2, one of which fits, it compiles nothing more.
   from maxctx import plan_model
   from maxctx import topology as topology_lib
   from maxctx.bench import aot
   config = config_lib.load("configs/recipes/llama3.1-8b-1m-ring-v5p-128.yml")
-  cands = plan_lib.candidates(config, ["ring", "usp"], 1 << 20, ["full", "save_attention_out"], 64, platform="tpu")
+  cands = plan_lib.candidates(config, ["ring", "usp"], 1 << 20, ["full", "save_dots"], 64, platform="tpu")
   topo = topology_lib.resolve("v5p-128")
   compiled = []
 
@@ -160,17 +160,18 @@ def test_topology_plan_compiles_in_the_cost_models_order_and_learns_from_each_co
     if not compile_missing:
       return {"status": "missing", "reason": "not compiled"}
     need = plan_model.estimate(case.config, mesh, topo).total
-    need *= 6 if case.config.model.remat == "save_attention_out" else 1
+    need *= 6 if case.config.model.remat == "save_dots" else 1
     compiled.append((case.config.attention.strategy, case.config.attention.ulysses_degree, case.config.model.remat))
     return {"status": "estimate", "source": "compiled in 1 s", "fits": need <= topo.hbm_bytes, "est_step_s": 1.0,
             "est_mfu": 0.5, "memory_compiled": {"total": need}, "over_bytes": max(0, need - topo.hbm_bytes)}
 
   monkeypatch.setattr(aot, "record", record)
   records = plan_lib.estimate_all(cands, 64, 1, tmp_path, [], True, 2)
-  # save_attention_out is modelled faster (attention is not run again) and under HBM, so it goes first.
-  assert compiled == [("ring", None, "save_attention_out"), ("ring", None, "full")]
+  # save_dots is modelled faster (only attention runs again, not the projections and MLP) and under HBM, so it
+  # goes first.
+  assert compiled == [("ring", None, "save_dots"), ("ring", None, "full")]
   by_label = {c.label: r for c, r in zip([c for c in cands if c.case.config is not None], records)}
-  skipped = by_label["usp c=64 u=2 remat=save_attention_out"].reason
+  skipped = by_label["usp c=64 u=2 remat=save_dots"].reason
   assert skipped.startswith("not compiled: expected to need") and "× 6.00, as compiled under remat=save" in skipped
   assert by_label["usp c=64 u=2 remat=full"].reason == "not compiled: ranked below the 2 compiled (--compile 2)"
   assert all(r.model_memory_total and r.model_step_s for r in records)

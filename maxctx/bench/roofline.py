@@ -3,7 +3,8 @@ returns is an estimate, and is labelled so wherever it is printed or plotted.
 
 The model, per device, from the compile report of `maxctx.compile.compile_for` and the step's collective bytes
 (maxctx.hlo, loop trip counts included):
-  compute  = analytic model FLOPs per device × 4/3 under `remat: full` or `full_offload` (the forward runs twice)
+  compute  = analytic model FLOPs per device × 4/3 under `remat: full`, `full_offload` or `save_attention_out` (the
+             forward runs twice: the last keeps attention's output but not its softmax statistics)
              / peak bf16 FLOP/s
   memory   = (argument + output + 2 × temp bytes) / HBM bandwidth: each byte the step holds is written or read at
              least once, so this is a lower bound on HBM traffic, not a measurement of it
@@ -74,7 +75,7 @@ def estimate(report: CompileReport, topo: topology_lib.Topology) -> dict[str, An
   chip = chip_for(topo)
   per_chip = topo.generation.devices_per_chip
   peak = chip.bf16_tflops * 1e12 / per_chip
-  remat = 4 / 3 if report.remat in ("full", "full_offload") else 1.0
+  remat = 4 / 3 if report.remat in ("full", "full_offload", "save_attention_out") else 1.0
   compute_s = report.flops_per_device * remat / peak
   out: dict[str, Any] = {"est_compute_s": compute_s, "est_memory_s": None, "est_network_s": None,
                          "est_bytes_per_link": None, "est_peak_tflops_per_device": peak / 1e12}
