@@ -198,13 +198,14 @@ def _order(rec: report.Record) -> tuple:
   if chosen(rec):
     # The roofline ties strategies that are compute-bound alike: then one that keeps nothing in host memory (remat
     # full_offload's copies to and from it take PCIe time the roofline does not count), then the least memory.
-    offloads = (rec.memory_compiled.get("host_temp") or 0) > 0
-    return (0, rec.est_step_s if rec.est_step_s is not None else float("inf"), offloads, rec.memory_compiled["total"])
+    step = rec.est_step_s if rec.est_step_s is not None else float("inf")
+    return (0, step, (rec.memory_compiled.get("host_temp") or 0) > 0, rec.memory_compiled["total"])
   if rec.status in ("estimate", "does_not_fit"):   # closest to fitting first
     return (1, rec.over_bytes if rec.over_bytes is not None else float("inf"))
   if rec.status == "missing":   # not compiled: in the cost model's order
     over = (rec.model_memory_total or float("inf")) > (rec.hbm_per_device_bytes or 0)
-    return (2, over, rec.model_step_s or float("inf"), (rec.model_host or 0) > 0, rec.model_memory_total or float("inf"))
+    return (2, over, rec.model_step_s or float("inf"), (rec.model_host or 0) > 0,
+            rec.model_memory_total or float("inf"))
   return (3,) if rec.status != "refused" else (4,)
 
 

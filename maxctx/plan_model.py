@@ -188,8 +188,9 @@ def recomputed_flops(config: Config) -> float:
   tokens = d.batch_size * d.seq_len
   weights = 2.0 * (metrics.matmul_params(m) - m.d_model * m.vocab_size) * tokens
   attention_core = (metrics.flops_per_step(m, d.batch_size, d.seq_len) - 6.0 * metrics.matmul_params(m) * tokens) / 3
-  return {"full": weights + attention_core, "full_offload": weights + attention_core, "save_attention_out": weights + attention_core,
-          "save_dots": attention_core, "none": 0.0}[m.remat]
+  forward = weights + attention_core
+  return {"full": forward, "full_offload": forward, "save_attention_out": forward, "save_dots": attention_core,
+          "none": 0.0}[m.remat]
 
 
 def estimate(config: Config, sizes: dict[str, int], topo: topology_lib.Topology) -> Estimate:
