@@ -10,9 +10,8 @@ kv = n_kv_heads·head_dim the model's widths per tensor shard, a / p the compute
   gradients  the float32 gradient of that shard: 4·P / shards
   saved      what each layer keeps for its backward, × n_layers, by model.remat: the layer input t·d·a (the scan
              carry) under `full`; nothing in HBM under `full_offload` (host memory holds it); + the attention output
-             under `save_attention_out` (the only value that policy names: the kernel's softmax statistics are not
-             kept, so the backward runs attention's forward again to get them; the compiled 1M v5p-128 step has the
-             same rematerialized ring forward under both policies and stacks only [layers, t, q] more); every matmul
+             and the kernel's float32 softmax statistics under `save_attention_out` (the kernels name both where
+             they make them, so attention's forward does not run again: tests/test_attention.py); every matmul
              output under `save_dots`; every activation and the gathered weights under `none`
   layer      the residual stream and its float32 norm in the layer being differentiated, and the layer's weights
              gathered in the compute dtype twice (this layer and the next, prefetched) with their gradient before
@@ -117,7 +116,7 @@ def memory(config: Config, sizes: dict[str, int], platform: str = "tpu") -> tupl
 
   parts = {"state": shard * (pb + 8) + 4 * 4 * t, "gradients": 4 * shard}
   per_layer_saved = {   # bytes per token
-      "full": d * act, "full_offload": 0, "save_attention_out": (d + q) * act,
+      "full": d * act, "full_offload": 0, "save_attention_out": (d + q) * act + m.n_heads // tp * 4,
       "save_dots": (3 * d + 2 * q + 2 * kv + 2 * f) * act,
       # the residual stream thrice, q, k, v before and after RoPE, the attention output, the SwiGLU's four [t, f]
       # arrays, and the two norms' float32 inputs
@@ -159,7 +158,7 @@ def collective_bytes(config: Config, sizes: dict[str, int], platform: str = "tpu
     problem = trainer_lib.attention_problem(config, mesh, platform)
     traffic = attention.get(config.attention.strategy).traffic(problem, rows, m.head_dim, act)
     if traffic is not None:
-      runs = 1 if m.remat == "none" else 2
+      runs = 1 if m.remat in ("none", "save_attention_out") else 2
       out.update(traffic.step(m.n_layers, forward_runs=runs))
   g = mesh["fsdp"] * mesh["context"]
   params = metrics.param_count(m)
@@ -180,16 +179,16 @@ def collective_bytes(config: Config, sizes: dict[str, int], platform: str = "tpu
 
 
 def recomputed_flops(config: Config) -> float:
-  """The forward FLOPs that remat runs again in the backward: the layers' whole forward under `full`, `full_offload`
-  and `save_attention_out` (which keeps the attention output but not the kernel's softmax statistics, so attention's
-  forward and the projections feeding it run again, and the MLP after it); attention alone under `save_dots` (its
-  output is no dot, and the output projection's gradient needs it); nothing under `none`."""
+  """The forward FLOPs that remat runs again in the backward: the layers' whole forward under `full` and
+  `full_offload`; their projections and MLP under `save_attention_out` (attention's output and softmax statistics are
+  kept, so attention itself is not rerun); attention alone under `save_dots` (its output is no dot, and the output
+  projection's gradient needs it); nothing under `none`."""
   m, d = config.model, config.data
   tokens = d.batch_size * d.seq_len
   weights = 2.0 * (metrics.matmul_params(m) - m.d_model * m.vocab_size) * tokens
   attention_core = (metrics.flops_per_step(m, d.batch_size, d.seq_len) - 6.0 * metrics.matmul_params(m) * tokens) / 3
   forward = weights + attention_core
-  return {"full": forward, "full_offload": forward, "save_attention_out": forward, "save_dots": attention_core,
+  return {"full": forward, "full_offload": forward, "save_attention_out": weights, "save_dots": attention_core,
           "none": 0.0}[m.remat]
 
 

@@ -16,6 +16,7 @@ import maxctx.attention as attention
 from maxctx import sharding
 from maxctx.attention import kernels, layout, mask, ring
 from maxctx.errors import ConfigError
+from maxctx.model.transformer import REMAT_POLICIES
 
 
 def make_mesh(data=1, fsdp=1, context=8, tensor=1):
@@ -294,6 +295,32 @@ def test_strategies_under_scan_and_remat(strategy, kw, dtype):
   for name in params:
     scale = max(1.0, float(jnp.abs(want_grads[name]).max()))
     assert float(jnp.abs(got_grads[name] - want_grads[name]).max()) <= tol * scale, name
+
+
+@pytest.mark.parametrize("strategy, kernel", [("ring", "blockwise"), ("usp", "blockwise"), ("all_gather", "blockwise"),
+                                              ("ring", "flash")])
+def test_save_attention_out_runs_no_attention_forward_in_the_backward(strategy, kernel):
+  """`model.remat: save_attention_out` keeps what attention's custom backward needs (its output and softmax
+  statistics, named by the kernels where they are made), so the gradient runs attention's forward once, as without
+  remat, where `full` runs it twice: counted by the loops in the gradient's jaxpr (the ring's hops and passes, the
+  kernel's blocks; the projections that remat reruns have none). K and V are recomputed, so all_gather gathers them
+  again."""
+  b, t, d, n, k, h = 1, 1024, 256, 2, 1, 128
+  mesh = make_mesh(context=4)
+  fn = attention.build(strategy, mesh, kernel=kernel, ulysses_degree=2 if strategy == "usp" else None)
+  seg, pos = jnp.ones((b, t), jnp.int32), jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+  wq, wk = jnp.ones((d, n * h)), jnp.ones((d, k * h))
+
+  def count(policy):
+    def layer(x):
+      q, kv = (x @ wq).reshape(b, t, n, h), (x @ wk).reshape(b, t, k, h)
+      return jnp.sum(fn(q, kv, kv, seg, pos) ** 2)
+    f = layer if policy is None else jax.checkpoint(layer, policy=REMAT_POLICIES[policy])
+    with jax.set_mesh(mesh):
+      return str(jax.make_jaxpr(jax.grad(f))(jnp.ones((b, t, d)))).count(" while[")
+
+  none = count(None)
+  assert count("save_attention_out") == none < count("full")
 
 
 # --- cudnn (XLA's implementation off the GPU) -------------------------------------------------------------------

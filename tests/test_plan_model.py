@@ -68,12 +68,12 @@ def test_compute_counts_what_each_remat_policy_runs_again():
   sizes, topo = _all_devices_on_context(config)
   step = {r: plan_model.estimate(config.replace(**{"model.remat": r}), sizes, topo).compute_s
           for r in ("none", "save_attention_out", "save_dots", "full", "full_offload")}
-  # At 1M tokens attention is nearly all of the FLOPs. save_attention_out keeps the attention output but not the
-  # kernel's softmax statistics, so its backward runs the whole forward again, as full's does (the compiled 1M v5p-128
-  # step has the same rematerialized ring forward under both); save_dots reruns attention alone.
-  assert step["full"] == step["full_offload"] == step["save_attention_out"] == pytest.approx(4 / 3 * step["none"],
-                                                                                              rel=0.01)
-  assert step["none"] < step["save_dots"] < step["full"]
+  # At 1M tokens attention is nearly all of the FLOPs. save_attention_out keeps attention's output and softmax
+  # statistics, so its backward reruns the projections and the MLP only; save_dots reruns attention alone; full and
+  # full_offload rerun the whole forward.
+  assert step["full"] == step["full_offload"] == pytest.approx(4 / 3 * step["none"], rel=0.01)
+  assert step["none"] < step["save_attention_out"] < 1.05 * step["none"]
+  assert step["save_attention_out"] < step["save_dots"] < step["full"]
 
 
 def test_collective_bytes_are_the_strategys_traffic_plus_zero3():
@@ -81,9 +81,9 @@ def test_collective_bytes_are_the_strategys_traffic_plus_zero3():
   sizes, _ = _all_devices_on_context(config)
   problem = trainer_lib.attention_problem(config, sizes, "tpu")
   traffic = attention.get("ring").traffic(problem, 1, config.model.head_dim, 2)
-  # Under `full` and `save_attention_out` the backward runs attention's forward, and so its ring, again (the latter
-  # keeps the output, not the softmax statistics); under `none` it does not.
-  for remat, forward_runs in (("full", 2), ("save_attention_out", 2), ("none", 1)):
+  # Under `full` the backward runs attention's forward, and so its ring, again; under `save_attention_out` (which keeps
+  # what attention's backward needs) and `none` it does not.
+  for remat, forward_runs in (("full", 2), ("save_attention_out", 1), ("none", 1)):
     coll = plan_model.collective_bytes(config.replace(**{"model.remat": remat}), sizes, "tpu")
     assert {k: v for k, v in coll.items() if k != "zero"} == traffic.step(config.model.n_layers, forward_runs)
   coll = plan_model.collective_bytes(config, sizes, "tpu")

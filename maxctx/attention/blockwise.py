@@ -28,12 +28,24 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from maxctx.attention import mask
 from maxctx.chunks import divisor_at_most
 
 DEFAULT_BLOCK = 512
 _F32 = jnp.float32
+# The name of what a custom backward needs from its forward (the output and the float32 lse), for remat policies
+# that save it: `model.remat: save_attention_out` then runs no attention forward in the backward. The residuals of a
+# custom_vjp are its own values, not the output the caller names, so the kernels name them where they are made.
+RESIDUALS = "attention_residuals"
+
+
+def keep(out_BTNH, lse):
+  """(out, lse) named `RESIDUALS`. The lse is named flat: stacked over a scan's layers, a [.., heads, tokens] array
+  was laid out on a TPU with its few heads in the 128 lanes (32× its size: 2 GiB for 64 MiB at 1M tokens on
+  v5p-128), a flat one is not."""
+  return checkpoint_name(out_BTNH, RESIDUALS), checkpoint_name(lse.reshape(-1), RESIDUALS).reshape(lse.shape)
 
 
 def fit_block(block: int | None, length: int) -> int:
@@ -268,7 +280,7 @@ def attend_fn(parts: Blockwise):
 
   def fwd(q_BTNH, k_BSKH, v_BSKH, q_seg, kv_seg, q_pos, kv_pos):
     state = parts.forward(parts.init(q_BTNH), q_BTNH, k_BSKH, v_BSKH, q_seg, kv_seg, q_pos, kv_pos)
-    out_BTNH, lse = parts.finish(state, q_BTNH.dtype)
+    out_BTNH, lse = keep(*parts.finish(state, q_BTNH.dtype))
     return out_BTNH, (q_BTNH, k_BSKH, v_BSKH, q_seg, kv_seg, q_pos, kv_pos, out_BTNH, lse)
 
   def bwd(res, dout_BTNH):

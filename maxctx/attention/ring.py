@@ -33,7 +33,7 @@ import jax.numpy as jnp
 
 from maxctx import sharding
 from maxctx.attention import kernels
-from maxctx.attention.blockwise import Blockwise, fit_block
+from maxctx.attention.blockwise import Blockwise, fit_block, keep
 from maxctx.attention.registry import Strategy, Traffic, ids_bytes, register
 from maxctx.attention.ulysses import AllToAll, kv_replication
 
@@ -105,7 +105,7 @@ def ring_attention(parts: Blockwise, axis: str, perm: list[tuple[int, int]], hop
 
   def attend_fwd(q_BTNH, k_BTKH, v_BTKH, seg_BT, pos_BT):
     with jax.named_scope("ring_fwd"):
-      out_BTNH, lse = ring.forward(q_BTNH, k_BTKH, v_BTKH, seg_BT, pos_BT)
+      out_BTNH, lse = keep(*ring.forward(q_BTNH, k_BTKH, v_BTKH, seg_BT, pos_BT))
     return out_BTNH, (q_BTNH, k_BTKH, v_BTKH, seg_BT, pos_BT, out_BTNH, lse)
 
   def attend_bwd(res, dout_BTNH):

@@ -25,6 +25,7 @@ from maxctx import attention
 from maxctx import compile as compile_lib
 from maxctx import hlo as hlo_lib
 from maxctx import metrics as metrics_lib
+from maxctx import plan_model
 from maxctx import topology as topology_lib
 from maxctx import trainer as trainer_lib
 from maxctx.bench import roofline
@@ -151,7 +152,7 @@ def record(case: Case, mesh: dict[str, int], out_dir: pathlib.Path, reports: lis
     rec["reason"] = (f"does not fit: needs {report.memory.total / topology_lib.GIB:.1f} GiB per device of "
                      f"{topo.hbm_bytes / topology_lib.GIB:.1f} GiB HBM ({report.over_bytes / topology_lib.GIB:.1f} "
                      "GiB over)")
-  rec.update(roofline.estimate(report, topo))
+  rec.update(roofline.estimate(report, topo, plan_model.recomputed_flops(case.config)))
   coll = rec.get("collective_bytes")
   if coll is None:
     rec["note"] = "network time not estimated: the report has no collective bytes (compile it with maxctx.bench)"

@@ -3,8 +3,9 @@ returns is an estimate, and is labelled so wherever it is printed or plotted.
 
 The model, per device, from the compile report of `maxctx.compile.compile_for` and the step's collective bytes
 (maxctx.hlo, loop trip counts included):
-  compute  = analytic model FLOPs per device × 4/3 under `remat: full`, `full_offload` or `save_attention_out` (the
-             forward runs twice: the last keeps attention's output but not its softmax statistics)
+  compute  = analytic model FLOPs per device × 4/3 under `remat: full` or `full_offload` (the forward runs twice);
+             under `save_attention_out` and `save_dots` plus the forward FLOPs they rerun when the caller gives them
+             (maxctx.plan_model.recomputed_flops: the projections and the MLP, or attention), else none
              / peak bf16 FLOP/s
   memory   = (argument + output + 2 × temp bytes) / HBM bandwidth: each byte the step holds is written or read at
              least once, so this is a lower bound on HBM traffic, not a measurement of it
@@ -70,12 +71,16 @@ def bytes_per_link(sent: dict[str, float], chip: chips.Chip, per_chip: int) -> f
   return ring + (sum(sent.values()) - ring) / (chip.ici_links / per_chip)
 
 
-def estimate(report: CompileReport, topo: topology_lib.Topology) -> dict[str, Any]:
-  """The roofline estimate of one compiled step (fields prefixed `est_`); empty parts stay None."""
+def estimate(report: CompileReport, topo: topology_lib.Topology,
+             recomputed_flops: float | None = None) -> dict[str, Any]:
+  """The roofline estimate of one compiled step (fields prefixed `est_`); empty parts stay None. `recomputed_flops`
+  (per step) is what a partial remat policy runs again in the backward."""
   chip = chip_for(topo)
   per_chip = topo.generation.devices_per_chip
   peak = chip.bf16_tflops * 1e12 / per_chip
-  remat = 4 / 3 if report.remat in ("full", "full_offload", "save_attention_out") else 1.0
+  remat = 4 / 3 if report.remat in ("full", "full_offload") else 1.0
+  if report.remat in ("save_attention_out", "save_dots") and recomputed_flops:
+    remat = 1.0 + recomputed_flops / report.flops_per_step
   compute_s = report.flops_per_device * remat / peak
   out: dict[str, Any] = {"est_compute_s": compute_s, "est_memory_s": None, "est_network_s": None,
                          "est_bytes_per_link": None, "est_peak_tflops_per_device": peak / 1e12}

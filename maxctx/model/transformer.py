@@ -19,7 +19,7 @@ from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 
 from maxctx import scopes
-from maxctx.attention import kernels
+from maxctx.attention import blockwise, kernels
 from maxctx.config import ModelConfig
 from maxctx.model import loss as loss_lib
 from maxctx.model import rope
@@ -28,7 +28,10 @@ from maxctx.sharding import constrain
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
     "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    "save_attention_out": jax.checkpoint_policies.save_only_these_names("attn_out"),
+    # What the attention kernels' custom backward needs from their forward, named where the kernels make it: the
+    # output and its softmax statistics. The backward then reruns the projections and the MLP but not attention. (The
+    # output as the layer sees it is the same value; naming it here too would save it twice.)
+    "save_attention_out": jax.checkpoint_policies.save_only_these_names(blockwise.RESIDUALS),
     # As `full`, but the one thing a layer keeps for its backward, its input, waits in host memory: at 229K tokens
     # per device the 32 saved inputs are 56 GiB of HBM, and moving 1.75 GiB per layer each way over PCIe costs
     # seconds against a step of many minutes.
@@ -86,7 +89,6 @@ class Attention(nn.Module):
       v_BTKH = constrain(v_BTKH, ("batch", "seq", "act_kv_heads", "act_head_dim"))
     with jax.named_scope(scopes.ATTENTION):
       out_BTNH = self.attention_fn(q_BTNH, k_BTKH, v_BTKH, segment_ids, positions)
-      out_BTNH = checkpoint_name(out_BTNH, "attn_out")
     with jax.named_scope("out_proj"):
       return constrain(jnp.einsum("btnh,nhd->btd", out_BTNH, wo), ("batch", "seq", "act_embed"))
 
