@@ -43,8 +43,8 @@ RESIDUALS = "attention_residuals"
 
 def keep(out_BTNH, lse):
   """(out, lse) named `RESIDUALS`. The lse is named flat: stacked over a scan's layers, a [.., heads, tokens] array
-  was laid out on a TPU with its few heads in the 128 lanes (32× its size: 2 GiB for 64 MiB at 1M tokens on
-  v5p-128), a flat one is not."""
+  is laid out on a TPU with its few heads in the 128 lanes (32× its size: 2 GiB for 64 MiB at 1M tokens on
+  v5p-128); a flat one is not padded."""
   return checkpoint_name(out_BTNH, RESIDUALS), checkpoint_name(lse.reshape(-1), RESIDUALS).reshape(lse.shape)
 
 
