@@ -11,11 +11,17 @@ GB/s, DCN per chip 50 / 100 / 100 Gb/s. The v5p page (docs.cloud.google.com/tpu/
 (its older version: "Interchip Interconnect BW 4,800 Gbps" = 600 GB/s one way). v5e 197 and v4 275 TFLOP/s from their
 Cloud TPU pages; NVIDIA's data sheets for the GPUs (dense bf16, without sparsity). ICI links per chip are the torus
 degree of the slice shapes (v5p, TPU7x: 3-D torus; v6e: 2-D), an assumption of the roofline, not a data-sheet figure.
+The same TPU7x table gives each generation's host VM: 4 chips with 448 / 720 / 960 GB of RAM (v5p / v6e / TPU7x).
 """
 
 from __future__ import annotations
 
 import dataclasses
+
+
+# `remat: full_offload` may fill at most this share of a host's RAM; the process, its data pipeline and the OS need
+# the rest (maxctx.train checks the host it runs on, maxctx.compile the host VM of the slice it compiles for).
+HOST_MEMORY_SHARE = 0.8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +37,12 @@ class Chip:
   # HBM per JAX device that programs may use, as libtpu reports it for a compile that runs out of memory ("available
   # HBM"): a little under the data-sheet figure (96 GiB per v5p chip, 192 GiB per v7 chip), the runtime reserves some.
   hbm_gib_per_device: float | None = None
+  host_ram_gb: float | None = None   # RAM of one host VM, GB (what `remat: full_offload` fills)
+  chips_per_host: int | None = None  # chips one host VM drives
+
+  @property
+  def host_ram_bytes(self) -> int | None:
+    return None if self.host_ram_gb is None else int(self.host_ram_gb * 1e9)
 
   @property
   def tflops_per_device(self) -> float:
@@ -51,9 +63,9 @@ class Chip:
 # before v5p ("TPU v5").
 CHIPS: dict[str, Chip] = {
     "v5e": Chip("TPU v5e", ("TPU v5 lite", "TPU v5e"), 1, 197.0, hbm_gib_per_device=15.75),
-    "v5p": Chip("TPU v5p", ("TPU v5p", "TPU v5"), 1, 459.0, 2765.0, 1200.0, 6, 50.0, 95.74),
-    "tpu7x": Chip("TPU7x (Ironwood)", ("TPU7x", "TPU v7"), 2, 2307.0, 7380.0, 1200.0, 6, 100.0, 94.75),
-    "v6e": Chip("TPU v6e (Trillium)", ("TPU v6 lite", "TPU v6e"), 1, 918.0, 1638.0, 800.0, 4, 100.0, 31.25),
+    "v5p": Chip("TPU v5p", ("TPU v5p", "TPU v5"), 1, 459.0, 2765.0, 1200.0, 6, 50.0, 95.74, 448.0, 4),
+    "tpu7x": Chip("TPU7x (Ironwood)", ("TPU7x", "TPU v7"), 2, 2307.0, 7380.0, 1200.0, 6, 100.0, 94.75, 960.0, 4),
+    "v6e": Chip("TPU v6e (Trillium)", ("TPU v6 lite", "TPU v6e"), 1, 918.0, 1638.0, 800.0, 4, 100.0, 31.25, 720.0, 4),
     "v4": Chip("TPU v4", ("TPU v4",), 1, 275.0, hbm_gib_per_device=30.75),
     "h200": Chip("NVIDIA H200", ("H200",), 1, 989.0),
     "h100": Chip("NVIDIA H100", ("H100",), 1, 989.0),

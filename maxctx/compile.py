@@ -5,8 +5,10 @@
 libtpu describes the slice (`jax.experimental.topologies`) without any TPU attached; the step is lowered on abstract,
 sharded arguments and compiled by the real TPU compiler, so the memory figures are the ones the pod would see. The
 report gives per-device argument / output / temp / total bytes against HBM, analytic FLOPs, the collectives in the
-compiled HLO, and `fits` or `does not fit` (with the bytes over). A step that needs more HBM than the slice has is
-reported, not raised: libtpu is asked (`--xla_tpu_no_crash_on_oom`) to finish such compiles so their size can be read.
+compiled HLO, what `remat: full_offload` keeps in each host VM's RAM, and `fits` or `does not fit` (with the bytes
+over; a step fits when its HBM does and its host memory is at most the share of the VM's RAM that maxctx.train allows
+itself, maxctx/chips.py's HOST_MEMORY_SHARE). A step that needs more HBM than the slice has is reported, not raised:
+libtpu is asked (`--xla_tpu_no_crash_on_oom`) to finish such compiles so their size can be read.
 
 `compile.topology` and `compile.num_slices` are keys of the run config (its `compile:` section or the command line).
 """
@@ -24,6 +26,7 @@ import sys
 import time
 from typing import Any, Callable
 
+from maxctx import chips as chips_lib
 from maxctx import config as config_lib
 from maxctx import console
 from maxctx import hlo as hlo_lib
@@ -110,6 +113,19 @@ class CompileReport:
   error: str | None = None
   inspected: dict[str, Any] = dataclasses.field(default_factory=dict)  # what compile_for's `inspect` added
   step: dict[str, Any] | None = None    # `step_key` of the config compiled (None in reports from before it)
+  devices_per_host: int | None = None   # JAX devices one host VM of the slice drives
+  host_ram_bytes: int | None = None     # one host VM's RAM (maxctx/chips.py)
+
+  @property
+  def host_bytes_per_host(self) -> int:
+    """What `remat: full_offload` keeps in one host VM's memory: its devices' offloaded bytes together."""
+    return (self.memory.host_temp if self.memory else 0) * (self.devices_per_host or 1)
+
+  @property
+  def host_fits(self) -> bool:
+    """Whether that is within the share of the VM's RAM that maxctx.train allows it (True where the RAM is unknown)."""
+    ram = self.host_ram_bytes
+    return ram is None or self.host_bytes_per_host <= chips_lib.HOST_MEMORY_SHARE * ram
 
   @property
   def total_bytes(self) -> int | None:
@@ -251,7 +267,8 @@ def compile_for(config: Config, inspect: Callable[[Any], dict[str, Any]] | None 
       context_degree=sizes["context"], remat=m.remat, loss_chunk=m.loss_chunk, mlp_chunk=m.mlp_chunk,
       block_q=a.block_q, block_kv=a.block_kv, params=metrics_lib.param_count(m), flops_per_step=flops,
       flops_per_device=flops / n, seconds_at_peak=flops / n / (peak_tflops * 1e12) if peak_tflops else None,
-      hbm_per_device_bytes=topo.hbm_bytes, step=step_key(config))
+      hbm_per_device_bytes=topo.hbm_bytes, step=step_key(config), devices_per_host=topo.devices_per_host,
+      host_ram_bytes=topo.generation.chip.host_ram_bytes)
   start = time.perf_counter()
   # The abstract mesh: tracing sees the axis sizes, and nothing (not even the init's PRNG key) is placed on the
   # compile-only devices, which cannot hold data.
@@ -282,7 +299,7 @@ def compile_for(config: Config, inspect: Callable[[Any], dict[str, Any]] | None 
   hlo = compiled.as_text()
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-  return CompileReport(
+  report = CompileReport(
       **shape, compile_seconds=seconds, memory=memory, fits=memory.total <= topo.hbm_bytes,
       over_bytes=max(0, memory.total - topo.hbm_bytes), compiler_flops=(cost or {}).get("flops"),
       collectives=hlo_lib.instruction_counts(hlo),
@@ -290,6 +307,7 @@ def compile_for(config: Config, inspect: Callable[[Any], dict[str, Any]] | None 
       # all-gathers and gradient reduce-scatters.
       attention_collectives=hlo_lib.instruction_counts(hlo, scopes.ATTENTION),
       inspected=inspect(compiled) if inspect is not None else {})
+  return dataclasses.replace(report, fits=report.fits and report.host_fits)   # the host VM's RAM, too
 
 
 def _validate(trainer_lib, config, num_devices: int, num_slices: int) -> dict[str, int]:
@@ -335,13 +353,24 @@ def format_report(r: CompileReport) -> str:
   lines += [
       f"  memory per device: argument {_gib(mem.argument)}, output {_gib(mem.output)} "
       f"(aliased {_gib(mem.alias)}), temp {_gib(mem.temp)}; total {_gib(mem.total)} of {_gib(hbm)} HBM "
-      f"({100 * mem.total / hbm:.0f}%)" + (f"; host memory {_gib(mem.host_temp)} (offloaded)" if mem.host_temp else ""),
+      f"({100 * mem.total / hbm:.0f}%)",
+      *([_host_line(r)] if mem.host_temp else []),
       f"  collectives in the compiled step: {_counts(r.collectives)}; in attention: "
       f"{_counts(r.attention_collectives)}",
       f"  compiled in {r.compile_seconds:.0f} s",
-      "  fits" if r.fits else f"  does not fit: {_gib(r.over_bytes)} over",
+      "  fits" if r.fits else f"  does not fit: {_gib(r.over_bytes)} over" if r.over_bytes else
+      "  does not fit: host memory",
   ]
   return "\n".join(lines)
+
+
+def _host_line(r: CompileReport) -> str:
+  line = f"  host memory (offloaded): {_gib(r.memory.host_temp)} per device"
+  if r.devices_per_host and r.host_ram_bytes:
+    share = r.host_bytes_per_host / r.host_ram_bytes
+    line += (f", {_gib(r.host_bytes_per_host)} per host VM ({r.devices_per_host} devices) of its "
+             f"{_gib(r.host_ram_bytes)} RAM ({share:.0%}; maxctx.train allows {chips_lib.HOST_MEMORY_SHARE:.0%})")
+  return line
 
 
 def _parser() -> argparse.ArgumentParser:

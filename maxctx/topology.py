@@ -75,6 +75,12 @@ class Topology:
   def hbm_bytes(self) -> int:
     return int(self.generation.chip.hbm_gib_per_device * GIB)
 
+  @property
+  def devices_per_host(self) -> int | None:
+    """JAX devices one host VM drives (all of them in a slice smaller than a VM), or None where unknown."""
+    per_host = self.generation.chip.chips_per_host
+    return None if per_host is None else min(per_host, self.chips) * self.generation.devices_per_chip
+
 
 def default_shape(chips: int, dims: int) -> tuple[int, ...]:
   """The shape GKE gives a slice of `chips` chips: start from the smallest slice and double the last of the shortest

@@ -36,6 +36,7 @@ from maxctx import metrics as metrics_lib
 from maxctx import plan_auto
 from maxctx import preemption as preemption_lib
 from maxctx import run_dir as run_dir_lib
+from maxctx.chips import HOST_MEMORY_SHARE
 from maxctx.eval import sweep as eval_sweep
 from maxctx.errors import ArgumentParser, ConfigError, MaxctxError, exit_code
 from maxctx.trainer import Trainer, TrainState, offloaded_bytes_per_device, validate
@@ -170,10 +171,10 @@ def _check_host_memory(config: config_lib.Config, sizes: dict[str, int]) -> None
   devices would need more than most of its RAM (the kernel would kill the process mid-step instead)."""
   need = offloaded_bytes_per_device(config, sizes) * jax.local_device_count()
   have = host_memory_bytes()
-  if need > 0.8 * have:
+  if need > HOST_MEMORY_SHARE * have:
     raise ConfigError(f"model.remat full_offload would keep {need / 2**20:,.0f} MiB of saved layer inputs in this "
-                      f"host's memory, more than 80% of its {have / 2**20:,.0f} MiB; use model.remat=full, more "
-                      "devices on mesh.ici.context, or a shorter data.seq_len.")
+                      f"host's memory, more than {HOST_MEMORY_SHARE:.0%} of its {have / 2**20:,.0f} MiB; use "
+                      "model.remat=full, more devices on mesh.ici.context, or a shorter data.seq_len.")
 
 
 def _finished_at(step_metrics) -> float:

@@ -36,6 +36,7 @@ def validate(config: Config, num_devices: int, num_slices: int = 1, platform: st
   _check_batch(config, sizes)                                # the step's microbatches over the batch shards
   attention.validate(config.attention.strategy, attention_problem(config, sizes, platform))  # heads, layout, kernel
   _check_chunks(config, sizes)                               # the model's loss and MLP steps over local tokens
+  _check_offload(config, sizes, platform or jax.default_backend())   # what libtpu can copy to host memory
   return sizes
 
 
@@ -61,6 +62,20 @@ def _check_chunks(config: Config, sizes: dict[str, int]) -> None:
     if 0 < chunk < local and 2 * used <= chunk:
       raise ConfigError(f"{key} {chunk} does not divide the {local} tokens per device and would run as steps of "
                         f"{used}; choose a divisor of {local}.")
+
+
+# libtpu (0.0.50.1) aborts compiling a host-offload copy of exactly 4 GiB ("Check failed: index_space_.start <=
+# index_space_.limit (0 vs. -1)": a 32-bit count wrapped to 0); one of 4 GiB + 32 MiB compiled, but were the count the
+# same 32 bits it would copy 32 MiB, and nothing short of a TPU shows which. So no copy of 4 GiB or more is let through.
+OFFLOAD_COPY_LIMIT = 2**32
+
+
+def _check_offload(config: Config, sizes: dict[str, int], platform: str) -> None:
+  per_layer = offloaded_bytes_per_device(config, sizes) // config.model.n_layers
+  if platform == "tpu" and per_layer >= OFFLOAD_COPY_LIMIT:
+    raise ConfigError(f"model.remat full_offload would copy each layer's saved input of {per_layer / 2**20:,.0f} MiB "
+                      f"per device to host memory, and libtpu cannot compile copies of {OFFLOAD_COPY_LIMIT // 2**20:,} "
+                      "MiB or more; put more devices on mesh.ici.context or shorten data.seq_len.")
 
 
 def attention_problem(config: Config, sizes: dict[str, int], platform: str | None = None) -> attention.Problem:

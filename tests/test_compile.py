@@ -1,6 +1,7 @@
 """Ahead-of-time compile for TPU topologies (maxctx.compile) with libtpu, on the CPU: each strategy's collectives show
 up in the compiled HLO, memory is read back, and a step too large for HBM is reported instead of raised."""
 
+import dataclasses
 import importlib.util
 import json
 import re
@@ -137,12 +138,13 @@ def test_offloaded_layer_inputs_leave_hbm(tiny_path):
   # remat full_offload is what fits the 14M-token v5p recipe: the saved layer inputs move to the host's memory.
   layers, tokens = 16, 4096
 
-  def memory(remat):
+  def report(remat):
     config = compile_lib.load(tiny_path, [f"model.remat={remat}", f"data.seq_len={tokens}",
                                                    f"model.n_layers={layers}"])
-    return compile_lib.compile_for(config).memory
+    return compile_lib.compile_for(config)
 
-  full, offload = memory("full"), memory("full_offload")
+  offloaded = report("full_offload")
+  full, offload = report("full").memory, offloaded.memory
   config = compile_lib.load(tiny_path, ["model.remat=full_offload", f"data.seq_len={tokens}",
                                            f"model.n_layers={layers}"])
   # The tiny model computes in float32: [batch 2, tokens / 4 chips, d_model] per layer. maxctx.train checks the same
@@ -153,6 +155,28 @@ def test_offloaded_layer_inputs_leave_hbm(tiny_path):
   assert full.host_temp == 0
   assert saved_inputs <= offload.host_temp <= 1.1 * saved_inputs
   assert offload.temp <= full.temp - saved_inputs // 2   # most of what went to the host left HBM
+  # Fit counts the host VM's RAM too: v5p:2x2x1 is one VM of 4 devices with 448 GB, which holds this easily, and would
+  # not if it had less than 1.25 × what its 4 devices offload.
+  assert offloaded.devices_per_host == 4 and offloaded.host_bytes_per_host == 4 * offload.host_temp
+  assert offloaded.fits and offloaded.host_fits
+  small = dataclasses.replace(offloaded, host_ram_bytes=int(1.2 * offloaded.host_bytes_per_host))
+  assert not small.host_fits
+  assert re.search(r"host memory \(offloaded\): .* per device, .* per host VM \(4 devices\) of its .* RAM \(83%; "
+                   r"maxctx.train allows 80%\)", compile_lib.format_report(small))
+
+
+def test_offload_copies_libtpu_cannot_compile_are_refused_before_compiling():
+  # Llama 3.1 8B at 33,554,432 tokens on v5p-128 (64 devices): each layer's saved input is 524,288 tokens × 4,096 × 2
+  # bytes = 4 GiB, and libtpu aborts the whole process compiling that copy (SIGABRT, no Python error to catch).
+  recipe = "configs/recipes/llama3.1-8b-14m-ring-v5p-128.yml"
+  config = compile_lib.load(recipe, ["data.seq_len=33554432"])
+  with pytest.raises(ConfigError, match=r"copy each layer's saved input of 4,096 MiB per device to host memory, and "
+                                        r"libtpu cannot compile copies of 4,096 MiB or more; put more devices on"):
+    trainer_lib.validate(config, 64, platform="tpu")
+  trainer_lib.validate(config, 128, platform="tpu")   # 2 GiB per layer (the 33M tpu7x recipe's) compiles
+  cpu = compile_lib.load(recipe, ["data.seq_len=33554432", "attention.kernel=blockwise"])
+  trainer_lib.validate(cpu, 64, platform="cpu")       # a limit of libtpu's, not of host offload
+  trainer_lib.validate(compile_lib.load(recipe, ["data.seq_len=33554432", "model.remat=full"]), 64, platform="tpu")
 
 
 @needs_libtpu

@@ -22,6 +22,7 @@ import pathlib
 from typing import Any
 
 from maxctx import attention
+from maxctx import chips as chips_lib
 from maxctx import compile as compile_lib
 from maxctx import hlo as hlo_lib
 from maxctx import metrics as metrics_lib
@@ -140,7 +141,9 @@ def record(case: Case, mesh: dict[str, int], out_dir: pathlib.Path, reports: lis
                          "flops_per_step": report.flops_per_step, "fits": report.fits,
                          "over_bytes": report.over_bytes, "hbm_per_device_bytes": report.hbm_per_device_bytes,
                          "memory_compiled": memory, "collective_bytes": report.inspected.get("collective_bytes"),
-                         "compile_s": report.compile_seconds, "kernel": report.kernel}
+                         "compile_s": report.compile_seconds, "kernel": report.kernel,
+                         "host_per_host_bytes": report.host_bytes_per_host if report.devices_per_host else None,
+                         "host_ram_bytes": report.host_ram_bytes}
   if report.memory is None:
     needed = report.required_bytes
     bound = "at least " if report.required_is_lower_bound else ""
@@ -148,7 +151,11 @@ def record(case: Case, mesh: dict[str, int], out_dir: pathlib.Path, reports: lis
         f", needing {bound}{needed / topology_lib.GIB:.1f} GiB of {topo.hbm_bytes / topology_lib.GIB:.1f} GiB"
         if needed else "") + f" ({(report.error or '')[:160]})")
     return rec
-  if not report.fits:
+  if not report.host_fits:
+    rec["reason"] = (f"does not fit: remat full_offload keeps {report.host_bytes_per_host / topology_lib.GIB:.1f} GiB "
+                     f"in each host VM's memory, more than {chips_lib.HOST_MEMORY_SHARE:.0%} of its "
+                     f"{report.host_ram_bytes / topology_lib.GIB:.1f} GiB RAM")
+  elif not report.fits:
     rec["reason"] = (f"does not fit: needs {report.memory.total / topology_lib.GIB:.1f} GiB per device of "
                      f"{topo.hbm_bytes / topology_lib.GIB:.1f} GiB HBM ({report.over_bytes / topology_lib.GIB:.1f} "
                      "GiB over)")

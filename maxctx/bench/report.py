@@ -70,6 +70,8 @@ class Record:
   fits: bool | None = None
   over_bytes: int | None = None
   hbm_per_device_bytes: int | None = None
+  host_per_host_bytes: int | None = None   # remat full_offload's host memory per host VM of the slice
+  host_ram_bytes: int | None = None        # that VM's RAM
   note: str | None = None
   est_compute_s: float | None = None
   est_memory_s: float | None = None
