@@ -23,7 +23,7 @@ kv = n_kv_heads·head_dim the model's widths per tensor shard, a / p the compute
              gradient; [mlp_chunk, f] under model.mlp_chunk, plus float32 copies of the MLP's weights and gradient
              sums), or q, k, v, the output and their gradients with what the strategy holds beyond its own share
              (Strategy.buffer_bytes: all_gather's whole-sequence K, V and float32 dK, dV; a ring's blocks in flight
-             with their float32 accumulators; the all-to-all's second layout)
+             with their float32 accumulators, usp's too; ulysses' second layout, which usp's compiled steps do not show)
 Not modelled: the compiler's own scheduling (two phases' or layers' buffers alive at once, copies for layout changes)
 and the kernels' score blocks (blockwise: a few hundred MB at 8B); which is why the model is checked against compiled
 steps (tests/test_plan_model.py, README) and the compile, not the model, decides fit.

@@ -76,8 +76,8 @@ def markdown_estimated(ranked: dict[int, Rows], setup: str) -> str:
       lines += [f"The cost model estimated {len(estimated)} candidates; {compiled} of them have a compiled step "
                 "(compiled here, cached or reported), in the model's order.", ""]
     lines += ["| rank | candidate | mesh | model: GiB per device | model: step s | compiled: GiB per device | "
-              "est. step s | est. MFU | HBM GiB | host GiB per device | status |",
-              "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+              "est. step s | est. MFU | HBM GiB | host GiB per device | host GiB per VM (of RAM) | status |",
+              "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for i, (cand, r) in enumerate(_considered(rows), 1):
       mesh = (" × ".join(f"{a}={s}" for a, s in r.mesh.items() if s > 1) or "1 device") if r.mesh else "—"
       memory = r.memory_compiled or {}
@@ -86,9 +86,16 @@ def markdown_estimated(ranked: dict[int, Rows], setup: str) -> str:
                    f"{'—' if r.model_step_s is None else f'{r.model_step_s:.3g}'} | {gib(memory.get('total'))} | "
                    f"{'—' if r.est_step_s is None else f'{r.est_step_s:.3g}'} | "
                    f"{'—' if r.est_mfu is None else f'{100 * r.est_mfu:.1f}%'} | "
-                   f"{gib(r.hbm_per_device_bytes)} | {gib(memory.get('host_temp'))} | {status} |")
+                   f"{gib(r.hbm_per_device_bytes)} | {gib(memory.get('host_temp'))} | {_per_vm(r)} | {status} |")
     lines += ["", *_refused(rows)]
   return "\n".join(lines)
+
+
+def _per_vm(r) -> str:
+  if not (r.memory_compiled or {}).get("host_temp") or r.host_per_host_bytes is None:
+    return "—"
+  ram = f" ({r.host_ram_bytes / 2**30:,.0f})" if r.host_ram_bytes else ""
+  return f"{r.host_per_host_bytes / 2**30:,.1f}{ram}"
 
 
 def verdict(rows: Rows) -> str:
@@ -112,4 +119,11 @@ def verdict(rows: Rows) -> str:
     return (f"Nothing fits: the closest, {c.label}, needs {r.over_bytes / 2**30:.1f} GiB per device more than "
             f"the {r.hbm_per_device_bytes / 2**30:.1f} GiB of HBM; try more devices, a shorter length, or a "
             "remat policy that keeps less (--remat full,full_offload).")
+  expected = [(c, r) for c, r in rows if r.status == "missing" and r.model_memory_total and r.hbm_per_device_bytes
+              and r.model_memory_total > r.hbm_per_device_bytes]
+  if expected:
+    c, r = min(expected, key=lambda cr: cr[1].model_memory_total)
+    return (f"Nothing fits: none was worth compiling, and the closest, {c.label}, is expected by the cost model "
+            f"to need {(r.model_memory_total - r.hbm_per_device_bytes) / 2**30:.1f} GiB per device "
+            f"more than the {r.hbm_per_device_bytes / 2**30:.1f} GiB of HBM; try more devices or a shorter length.")
   return "Nothing fits or nothing was compiled; the reasons are below."

@@ -191,6 +191,12 @@ def test_when_nothing_fits_the_plan_names_the_closest_candidate_and_by_how_much(
                          over_bytes=int(gib * 2**30), hbm_per_device_bytes=hbm, memory_compiled={"total": 0},
                          reason=f"does not fit: {gib} GiB over")
 
+  # None compiled, every one expected over HBM: the closest by the cost model, and that it was not compiled.
+  expected = [report.Record(strategy="ring", seq_len=512, length="512", status="missing", reason="not compiled",
+                            model_memory_total=gib * 2**30, hbm_per_device_bytes=hbm) for gib in (140.0, 120.5)]
+  assert plan_tables.verdict(plan_lib.rank(cands, expected)).startswith(
+      f"Nothing fits: none was worth compiling, and the closest, {cands[1].label}, is expected by the cost model "
+      "to need 25.5 GiB per device more than the 95.0 GiB of HBM")
   rows = plan_lib.rank(cands, [over(31.5), over(2.25)])
   assert [r.over_bytes for _, r in rows] == [int(2.25 * 2**30), int(31.5 * 2**30)]
   assert plan_tables.verdict(rows).startswith(f"Nothing fits: the closest, {cands[1].label}, needs 2.2 GiB per device "

@@ -18,7 +18,7 @@ from maxctx import sharding
 from maxctx.attention import kernels
 from maxctx.attention.registry import Strategy, Traffic, ids_bytes, register
 from maxctx.attention.ring import ring_attention, ring_buffer_bytes, ring_traffic
-from maxctx.attention.ulysses import AllToAll, check_heads, kv_replication, relayout_bytes
+from maxctx.attention.ulysses import AllToAll, check_heads, kv_replication
 from maxctx.errors import ConfigError
 
 
@@ -42,8 +42,11 @@ class USP(Strategy):
 
   def buffer_bytes(self, p, rows, head_dim, dtype_bytes):
     # The ring between groups carries the group's u·t tokens of the device's share of heads: its own t tokens' bytes.
+    # The all-to-all's second layout adds nothing the compiler keeps: every usp step compiled against the same ring
+    # (8B, 1M to 32M tokens, v5p-128 and tpu7x-128, u = 2 and the 14M recipes' 8) needs the ring's memory to within
+    # 0.2 GiB (README, "The planner for a TPU slice"), so the relayout presumably takes its input's place.
     kv = rows * p.seq_len // p.context * (p.n_kv_heads // p.tensor) * head_dim
-    return ring_buffer_bytes(kv, dtype_bytes) + relayout_bytes(p, rows, head_dim, dtype_bytes)
+    return ring_buffer_bytes(kv, dtype_bytes)
 
   def traffic(self, p, rows, head_dim, dtype_bytes):
     # All-to-alls inside groups of u: forward q, the (copied) K/V and the output; backward q, the output's cotangent,
