@@ -17,6 +17,7 @@ from maxctx import topology
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RECIPES = sorted((ROOT / "configs" / "recipes").glob("*.yml"))
+V7_14M = "configs/recipes/llama3.1-8b-14m-ring-tpu7x-128.yml"   # the tpu7x-128 recipe the tests launch
 CHIPS_PER_HOST = 4   # v5p and v7 hosts
 
 spec = importlib.util.spec_from_file_location("launch_xpk", ROOT / "scripts" / "launch_xpk.py")
@@ -62,7 +63,7 @@ def _fit_report(tmp_path, recipe: str, overrides: list[str], fits: bool = True) 
 
 
 def test_multislice_sets_the_dcn_axis(tmp_path, capsys):
-  recipe = str(RECIPES[0].relative_to(ROOT))
+  recipe = V7_14M
   fit = _fit_report(tmp_path, recipe, ["compile.num_slices=2", "mesh.dcn.context=2"])
   assert launch_xpk.main([recipe, "--cluster", "c", "--image", "i", "--dry-run", "--tpu-type", "tpu7x-128",
                           "--num-slices", "2", "--dcn-axis", "context", "--project", "p", "--zone", "z",
@@ -79,12 +80,11 @@ def test_multislice_sets_the_dcn_axis(tmp_path, capsys):
     (["--", "data.seq_len=1000"], "seq_len"),                 # not divisible by the context degree
 ])
 def test_refuses_what_cannot_run(argv, words, capsys):
-  recipe = str(RECIPES[0].relative_to(ROOT))
+  recipe = V7_14M
   assert launch_xpk.main([recipe, "--cluster", "c", "--image", "i", "--dry-run", *argv]) == 2
   assert words in capsys.readouterr().err
 
 
-V7_14M = "configs/recipes/llama3.1-8b-14m-ring-tpu7x-128.yml"
 LAUNCH = [V7_14M, "--cluster", "c", "--image", "i", "--dry-run"]
 
 
