@@ -226,9 +226,15 @@ def recipe(path: str, cand: Candidate, overrides: list[str]) -> str:
   keys = dict(config_lib.parse_override(o) for o in overrides)
   keys.update(cand.overrides)
   keys["data.seq_len"] = cand.case.seq_len
-  topology = cand.case.config.compile.topology
+  config = cand.case.config
+  topology = config.compile.topology
   if topology:
-    keys.update({"compile.topology": topology, "compile.num_slices": cand.case.config.compile.num_slices})
+    keys.update({"compile.topology": topology, "compile.num_slices": config.compile.num_slices})
+    if "run.name" not in keys and config.model.preset:
+      # A recipe for a slice is named as configs/recipes/ names them, not after the run file it was planned from
+      # (a 70B plan from the 8B recipe would otherwise be called llama3.1-8b-... and write to its runs/).
+      name = f"{config.model.preset}-{cases_lib.tokens(cand.case.seq_len)}-{cand.case.strategy}-{topology}"
+      keys.update({"run.name": name, "run.output_dir": f"runs/{name}"})
   for dotted, value in keys.items():
     node = tree
     *parents, leaf = dotted.split(".")

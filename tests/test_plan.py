@@ -134,6 +134,9 @@ def test_topology_plan_compiles_the_best_estimated_and_writes_a_recipe_for_the_s
   assert best["model_memory_total"] > 0 and best["memory_compiled"]["total"] > 0
   recipe = config_lib.load(tmp_path / "recipe.yml")
   assert recipe.compile.topology == "v5p-8" and {a: getattr(recipe.mesh.ici, a) for a in best["mesh"]} == best["mesh"]
+  # Named as configs/recipes/ names recipes, not after the run file it was planned from.
+  name = f"tiny-512-{best['strategy']}-v5p-8"
+  assert (recipe.run.name, recipe.run.output_dir) == (name, f"runs/{name}")
   trainer_lib.validate(recipe, 4, platform="tpu")
   plan_md = (tmp_path / "plan.md").read_text()
   assert "Chosen: **" + best["candidate"] in plan_md and "The cost model estimated 2 candidates; 1 of them" in plan_md
