@@ -3,11 +3,12 @@ the attention strategy, and how many bytes each device sends per step.
 
 Bytes are counted per execution, not per instruction: an instruction inside a `while` body runs once per iteration,
 so its bytes are multiplied by the loop's trip count, nested loops multiplied together. The trip count is XLA's
-`known_trip_count` (in the while's backend_config, which XLA:CPU prints) or, where the compiler did not print it (the
-TPU compiler), read from the loop condition `i < N` with N a constant (the scan over layers, the ring's hops). A loop
-whose bound is data-dependent (the blockwise kernel's inner loops, which hold no collectives) counts once; collectives
-inside such loops are reported in `unknown_trip_counts`. Both branches of a `conditional` are counted, so bytes there
-are an upper bound.
+`known_trip_count` (in the while's backend_config, which XLA:CPU prints), or the count its op name carries
+(`scopes.trips`: the ring's passes, whose bound is opaque to XLA on purpose), or, where the compiler printed neither
+(the TPU compiler), read from the loop condition `i < N` with N a constant (the scan over layers, the ring's hops).
+A loop whose bound is data-dependent (the blockwise kernel's inner loops, which hold no collectives) counts once;
+collectives inside such loops are reported in `unknown_trip_counts`. Both branches of a `conditional` are counted, so
+bytes there are an upper bound.
 
 Collectives over groups of one device move nothing and are left out. Bytes sent per device follow the
 bandwidth-optimal (ring) algorithm over a group of G devices, from the operand bytes b of one device: all-gather
@@ -41,6 +42,7 @@ _OPCODE = re.compile(r"([a-z][\w\-]*)\(")
 _CALLEES = re.compile(r"\b(?:body|calls|to_apply|branch_computations|true_computation|false_computation)="
                       r"(\{[^}]*\}|%[\w.\-]+)")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_SCOPED_TRIP = re.compile(r'op_name="[^"]*/' + scopes.TRIPS + r'(\d+)/while"')
 
 
 def shape_bytes(shape: str) -> int:
@@ -101,6 +103,8 @@ def _trip_count(loop: Instruction, bodies: dict[str, list[Instruction]], by_name
   """The iterations of a while loop: XLA's `known_trip_count` if recorded (XLA:CPU records it; the TPU compiler's
   output does not), else read from the condition `i < N` with N a constant and i's start a constant (or 0)."""
   if trip := _TRIP.search(loop.attributes):
+    return int(trip.group(1))
+  if trip := _SCOPED_TRIP.search(loop.attributes):
     return int(trip.group(1))
   cond = re.search(r"condition=%([\w.\-]+)", loop.attributes)
   root = next((i for i in bodies.get(cond.group(1), []) if i.is_root), None) if cond else None
@@ -186,8 +190,9 @@ def _nonzero(d: dict) -> dict:
   return {k: (int(v) if isinstance(v, float) else v) for k, v in d.items() if v}
 
 
-def collectives(hlo_text: str, num_devices: int) -> Collectives:
-  """Every collective of `hlo_text` (one compiled module), with its bytes per step (see the module docstring)."""
+def _executed(hlo_text: str):
+  """(module name, [(instruction, how many times a step runs it, whether a loop of unknown trip count holds it)], the
+  instructions by name), every computation's instructions included."""
   module = ""
   computations: list[tuple[str, bool, list[Instruction]]] = []
   by_name: dict[str, Instruction] = {}
@@ -203,10 +208,7 @@ def collectives(hlo_text: str, num_devices: int) -> Collectives:
   # Callees are printed before their callers, so walking the text backwards visits every caller first.
   runs: dict[str, int] = {name: 1 for name, entry, _ in computations if entry}
   uncounted: dict[str, bool] = {}  # inside a loop whose trip count could not be read
-  kinds: dict[str, tuple[str, bool]] = {}
-  sent = {True: dict.fromkeys(COLLECTIVES, 0.0), False: dict.fromkeys(COLLECTIVES, 0.0)}
-  executions = dict.fromkeys(COLLECTIVES, 0)
-  unknown = 0
+  out = []
   for name, _, instructions in reversed(computations):
     n = runs.get(name, 0)
     for inst in instructions:
@@ -215,17 +217,50 @@ def collectives(hlo_text: str, num_devices: int) -> Collectives:
         for callee in re.findall(r"%([\w.\-]+)", callees):
           runs[callee] = runs.get(callee, 0) + n * (1 if trips is None else trips)
           uncounted[callee] = uncounted.get(callee, False) or uncounted.get(name, False) or trips is None
-      kind = _kind(inst.opcode)
-      group = _group_size(inst.attributes, num_devices)
-      if kind is None or not _moves_data(kind, inst.attributes, group):
-        continue
-      in_attention = ATTENTION_SCOPE in inst.attributes
-      kinds[inst.name] = (kind, in_attention)
-      operand_bytes = sum(shape_bytes(by_name[o].shape) for o in inst.operands if o in by_name)
-      sent[in_attention][kind] += n * _sent_bytes(kind, operand_bytes, group)
-      executions[kind] += n
-      unknown += uncounted.get(name, False)
+      out.append((inst, n, uncounted.get(name, False)))
+  return module, out, by_name
+
+
+def collectives(hlo_text: str, num_devices: int) -> Collectives:
+  """Every collective of `hlo_text` (one compiled module), with its bytes per step (see the module docstring)."""
+  module, executed, by_name = _executed(hlo_text)
+  kinds: dict[str, tuple[str, bool]] = {}
+  sent = {True: dict.fromkeys(COLLECTIVES, 0.0), False: dict.fromkeys(COLLECTIVES, 0.0)}
+  executions = dict.fromkeys(COLLECTIVES, 0)
+  unknown = 0
+  for inst, n, uncounted in executed:
+    kind = _kind(inst.opcode)
+    group = _group_size(inst.attributes, num_devices)
+    if kind is None or not _moves_data(kind, inst.attributes, group):
+      continue
+    in_attention = ATTENTION_SCOPE in inst.attributes
+    kinds[inst.name] = (kind, in_attention)
+    operand_bytes = sum(shape_bytes(by_name[o].shape) for o in inst.operands if o in by_name)
+    sent[in_attention][kind] += n * _sent_bytes(kind, operand_bytes, group)
+    executions[kind] += n
+    unknown += uncounted
   return Collectives(module, kinds, sent[True], sent[False], executions, unknown)
+
+
+def _dims(shape: str) -> list[int]:
+  found = _ARRAY.search(shape)
+  return [int(d) for d in found.group(2).split(",") if d] if found else []
+
+
+def dot_flops(hlo_text: str) -> float:
+  """The FLOPs of every `dot` a step runs, 2 per multiply-add, loops' trip counts included (one device's program).
+  Unlike the compiler's cost analysis, which counts a loop's body once, this is what the step executes; a dot inside
+  a loop of unknown trip count counts once."""
+  _, executed, by_name = _executed(hlo_text)
+  total = 0.0
+  for inst, n, _ in executed:
+    if inst.opcode != "dot" or not inst.operands or inst.operands[0] not in by_name:
+      continue
+    lhs = _dims(by_name[inst.operands[0]].shape)
+    contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", inst.attributes)
+    k = math.prod(lhs[int(i)] for i in contracting.group(1).split(",") if i) if contracting else 1
+    total += n * 2.0 * math.prod(_dims(inst.shape)) * k
+  return total
 
 
 def instruction_counts(hlo_text: str, scope: str | None = None) -> dict[str, int]:

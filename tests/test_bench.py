@@ -11,6 +11,7 @@ import pytest
 from maxctx import compile as compile_lib
 from maxctx import config as config_lib
 from maxctx import attention
+from maxctx import scopes
 from maxctx import topology
 from maxctx import trainer as trainer_lib
 from maxctx.bench import __main__ as bench_main
@@ -110,6 +111,15 @@ def test_hlo_bytes_multiply_trip_counts_and_skip_single_device_groups():
   assert c.unknown_trip_counts == 0
   known = HLO.replace("body=%body", 'body=%body, backend_config={"known_trip_count":{"n":"3"}}')
   assert hlo.collectives(known, 8).executions["collective-permute"] == 3
+  # A bound the compiler cannot see (the ring's passes: a loop-carried value, as the TPU compiler leaves it) counts
+  # once, as unknown, unless the loop's op name carries its count (scopes.trips).
+  opaque = HLO.replace("%n = s32[] constant(6)", "%n = s32[] get-tuple-element(%q), index=0")
+  assert hlo.collectives(opaque, 8).executions["collective-permute"] == 1
+  assert hlo.collectives(opaque, 8).unknown_trip_counts == 1
+  name = f'op_name="jit(_step)/ring_fwd/{scopes.trips(5)}/while"'
+  scoped = opaque.replace("condition=%cond, body=%body", f"condition=%cond, body=%body, metadata={{{name}}}")
+  assert hlo.collectives(scoped, 8).executions["collective-permute"] == 5
+  assert hlo.collectives(scoped, 8).unknown_trip_counts == 0
 
 
 def test_roofline_estimate_is_the_largest_part_and_labelled():

@@ -31,7 +31,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from maxctx import sharding
+from maxctx import scopes, sharding
 from maxctx.attention import kernels
 from maxctx.attention.blockwise import Blockwise, fit_block, keep
 from maxctx.attention.registry import Strategy, Traffic, ids_bytes, register
@@ -182,11 +182,14 @@ class _Ring:
     (dq, _, _, _, dk, dv), _ = hop(carry, None)   # the last hop's K/V send is dead code, dropped by XLA
     return dq, dk, dv
 
-  def passes(self, n):
-    """n as a loop bound XLA cannot see: a one-trip loop would be inlined, and on XLA:CPU the ring's collectives then
-    sat beside the layer's other collectives with nothing ordering them; devices ran them in different orders and the
-    step deadlocked (seen with one pass of all heads in tests/test_resume.py)."""
-    return n + jnp.minimum(jax.lax.axis_index(self.axis), 0)
+  def pass_loop(self, n, body, carry):
+    """fori_loop(0, n, body, carry) with n as a bound XLA cannot see: a one-trip loop would be inlined, and on XLA:CPU
+    the ring's collectives then sat beside the layer's other collectives with nothing ordering them; devices ran them
+    in different orders and the step deadlocked (seen with one pass of all heads in tests/test_resume.py). So that
+    the compiled step's collective bytes still count every pass, the loop's op name carries n (scopes.trips, read by
+    maxctx.hlo)."""
+    with jax.named_scope(scopes.trips(n)):
+      return jax.lax.fori_loop(0, n + jnp.minimum(jax.lax.axis_index(self.axis), 0), body, carry)
 
   def plan(self, q_BTNH, k_BTKH):
     return pass_plan(q_BTNH, k_BTKH, self.degree, fit_kv=self.parts.fit_kv)
@@ -219,7 +222,7 @@ class _Ring:
 
     B, T, N, _ = pass_q.shape
     carry = (jnp.zeros(q_BTNH.shape, q_BTNH.dtype), jnp.zeros((n, B, N, T), jnp.float32))   # out, every pass's lse
-    return jax.lax.fori_loop(0, self.passes(n), one, carry)
+    return self.pass_loop(n, one, carry)
 
   def backward(self, q_BTNH, k_BTKH, v_BTKH, seg_BT, pos_BT, out_BTNH, lse_all, dout_BTNH):
     """(dq, dk, dv) from the forward's residuals and the output's cotangent."""
@@ -257,7 +260,7 @@ class _Ring:
       return _put(dq_full, dq, 0, qs), dk_full, dv_full
 
     grads = (jnp.zeros_like(q_BTNH), jnp.zeros_like(k_BTKH), jnp.zeros_like(v_BTKH))
-    return jax.lax.fori_loop(0, self.passes(n), one, grads)
+    return self.pass_loop(n, one, grads)
 
 
 def ring_buffer_bytes(kv_elements: float, dtype_bytes: int) -> float:
