@@ -56,7 +56,7 @@ class ModelConfig:
   init_std: float
   dtype: Literal["float32", "bfloat16"]
   param_dtype: Literal["float32", "bfloat16"]
-  remat: Literal["none", "full", "full_offload", "save_dots", "save_attention_out"]
+  remat: Literal["none", "full", "full_offload", "save_dots", "save_attention_out", "auto"]
   scan_layers: bool
   loss_chunk: int
   mlp_chunk: int

@@ -2,13 +2,15 @@
 compiled and estimated for a TPU slice.
 
     python -m maxctx.plan configs/bench.yml [section.key=value ...] [--lengths 512,1k] [--remat none,full]
-        [--strategies none,all_gather,ulysses,ring,usp] [--steps 3] [--out DIR]
+        [--mlp-chunk 0,16384] [--strategies none,all_gather,ulysses,ring,usp] [--steps 3] [--out DIR]
         [--topology v5p-128 [--num-slices N] [--compile N] [--reports DIR] [--no-compile]]
 
 Candidates, for each length: every strategy at every context degree that divides the devices left by the run's data
 and tensor axes (the rest on fsdp), usp at every ulysses degree between 1 and its context degree, `none` (no context
-parallelism, context 1), each under every remat policy of `--remat` (default: the run's). `maxctx.trainer.validate`
-checks each; what it refuses is listed with its sentence.
+parallelism, context 1), each under every remat policy of `--remat` (default: the run's; `auto`: all) and with every
+MLP chunk of `--mlp-chunk` (default: the run's model.mlp_chunk and 16,384 tokens; a chunk that does not split the
+candidate's tokens per device is the unchunked MLP, tried once). `maxctx.trainer.validate` checks each; what it refuses
+is listed with its sentence.
 
 Measured mode (no --topology): each valid candidate trains a few steps on the devices present
 (`maxctx.bench.measure`: the same model, data and global batch every time, so the candidates differ only in how they
@@ -37,13 +39,10 @@ which `maxctx.train` resolves before it validates.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import pathlib
 import sys
-import typing
-from typing import Any
 
 import yaml
 
@@ -53,65 +52,12 @@ from maxctx import mesh as mesh_lib
 from maxctx import plan_tables
 from maxctx.bench import plan as cases_lib
 from maxctx.bench import report
-from maxctx.config import MESH_AXES, Config, ModelConfig
+from maxctx.config import Config
 from maxctx.errors import ArgumentParser, ConfigError, exit_code
+from maxctx.plan_candidates import AUTO, MLP_CHUNK, REMATS, Candidate, candidates
 from maxctx.plan_tables import chosen
 
 log = logging.getLogger("maxctx.plan")
-
-REMATS = typing.get_args(typing.get_type_hints(ModelConfig)["remat"])   # the policies model.remat accepts
-
-
-@dataclasses.dataclass(frozen=True)
-class Candidate:
-  """One way to run the same training: a strategy, its context (and ulysses) degree, a remat policy."""
-  strategy: str                   # a registered strategy, or `none`
-  context: int
-  ulysses: int | None
-  remat: str
-  case: cases_lib.Case            # the validated config (or the refusal) at one length
-
-  @property
-  def label(self) -> str:
-    u = f" u={self.ulysses}" if self.ulysses else ""
-    return f"{self.strategy} c={self.context}{u} remat={self.remat}"
-
-  @property
-  def overrides(self) -> dict[str, Any]:
-    """The run-file keys this candidate sets: strategy, ulysses degree, the mesh's ICI and DCN sizes, remat."""
-    c = self.case.config
-    out: dict[str, Any] = {"attention.strategy": c.attention.strategy,
-                           "attention.ulysses_degree": c.attention.ulysses_degree, "model.remat": c.model.remat}
-    for level in ("ici", "dcn"):
-      out.update({f"mesh.{level}.{a}": getattr(getattr(c.mesh, level), a) for a in MESH_AXES})
-    return out
-
-
-def _divisors(n: int) -> list[int]:
-  return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def candidates(base: Config, strategies: list[str], seq_len: int, remats: list[str], num_devices: int,
-               num_slices: int = 1, steps: int | None = None, platform: str | None = None) -> list[Candidate]:
-  """Every candidate at `seq_len`, valid or refused, in a fixed order (strategy, context, ulysses, remat)."""
-  if base.mesh.ici.data > 0 and base.mesh.ici.tensor > 0:
-    # Only data and tensor are kept from the run file: its fsdp × context may be for another number of devices.
-    base = base.replace(**{"mesh.ici.fsdp": -1, "mesh.ici.context": 1})
-  ici, dcn = mesh_lib.resolve_axes(base.mesh, num_devices, num_slices)
-  free = ici["fsdp"] * ici["context"]   # the ICI devices that context and fsdp share
-  out = []
-  for strategy in strategies:
-    degrees = [1] if strategy == cases_lib.NONE else [d for d in _divisors(free) if d > 1]
-    for context in degrees:
-      ulysses = [u for u in _divisors(context) if 1 < u < context] if strategy == "usp" else [None]
-      for u in ulysses:
-        for remat in remats:
-          config = base.replace(**{"model.remat": remat, "attention.ulysses_degree": u,
-                                   "mesh.ici.context": context, "mesh.ici.fsdp": free // context})
-          case = cases_lib.configure(config, strategy, seq_len, num_devices, num_slices, steps=steps,
-                                     platform=platform)
-          out.append(Candidate(strategy, context * dcn["context"], u, remat, case))
-  return out
 
 
 def _record(cand: Candidate) -> report.Record:
@@ -256,8 +202,11 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--strategies", default=cases_lib.DEFAULT_STRATEGIES,
                  help=f"comma-separated; `none` = no context parallelism (default {cases_lib.DEFAULT_STRATEGIES})")
   p.add_argument("--lengths", help="comma-separated tokens per sequence, k = 2^10, m = 2^20 (default: data.seq_len)")
-  p.add_argument("--remat", help=f"comma-separated remat policies to try, of {', '.join(REMATS)} "
-                                 "(default: the run's model.remat)")
+  p.add_argument("--remat", help=f"comma-separated remat policies to try, of {', '.join(REMATS)}, or auto for all "
+                                 "of them (default: the run's model.remat)")
+  p.add_argument("--mlp-chunk", help=f"comma-separated model.mlp_chunk values to try, tokens per MLP step, 0 for "
+                                     f"all at once (default: the run's and {MLP_CHUNK}); one that does not split a "
+                                     "candidate's tokens per device is the same as 0")
   p.add_argument("--steps", type=int, default=3, help="timed steps per candidate after one warm-up (default 3)")
   p.add_argument("--out", help="output directory (default <run.output_dir>/plan, or plan-<topology> with --topology)")
   p.add_argument("--topology", help="plan for this TPU slice (e.g. v5p-128, tpu7x-128) without running: each "
@@ -275,6 +224,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _remats(text: str | None, config: Config) -> list[str]:
   names = [s.strip() for s in (text or config.model.remat).split(",") if s.strip()]
+  names = [r for name in names for r in (REMATS if name == AUTO else [name])]
   for name in names:
     if name not in REMATS:
       raise ConfigError(f"--remat has {name!r}, which is not a remat policy; choose from {', '.join(REMATS)}.")
@@ -283,11 +233,25 @@ def _remats(text: str | None, config: Config) -> list[str]:
   return list(dict.fromkeys(names))
 
 
+def _mlp_chunks(text: str | None, config: Config) -> list[int]:
+  if text is None:
+    return [config.model.mlp_chunk, MLP_CHUNK]
+  try:
+    values = [int(s) for s in text.split(",") if s.strip()]
+  except ValueError:
+    values = [-1]
+  if not values or min(values) < 0:
+    raise ConfigError(f"--mlp-chunk is {text!r}; give comma-separated token counts, 0 for the MLP unchunked "
+                      f"(e.g. 0,{MLP_CHUNK}).")
+  return list(dict.fromkeys(values))
+
+
 def run(args: argparse.Namespace) -> int:
   config = config_lib.load(args.config, args.overrides)
   strategies = cases_lib.parse_strategies(args.strategies)
   lengths = cases_lib.lengths(args.lengths) if args.lengths else [config.data.seq_len]
   remats = _remats(args.remat, config)
+  chunks = _mlp_chunks(args.mlp_chunk, config)
   if args.steps < 1:
     raise ConfigError(f"--steps is {args.steps}; time at least one step per candidate.")
   if args.compile < 0:
@@ -306,7 +270,8 @@ def run(args: argparse.Namespace) -> int:
     import jax
     n, slices, platform, steps = len(jax.devices()), mesh_lib.num_slices_of(jax.devices()), None, args.steps + 2
     where = f"{n} {jax.default_backend().upper()} devices"
-  by_length = {s: candidates(config, strategies, s, remats, n, slices, steps=steps, platform=platform)
+  by_length = {s: candidates(config, strategies, s, remats, n, slices, steps=steps, platform=platform,
+                             chunks=chunks)
                for s in lengths}
   valid = sum(c.case.config is not None for cs in by_length.values() for c in cs)
   if not valid:
@@ -324,7 +289,7 @@ def run(args: argparse.Namespace) -> int:
              if args.topology else measure_all(cands, args.steps))
     ranked[seq_len] = rank(cands, found)
     records += [{"candidate": c.label, "context": c.context, "ulysses": c.ulysses, "remat": c.remat,
-                 "rank": i if chosen(r) else None, **r.to_json()}
+                 "mlp_chunk": c.mlp_chunk, "rank": i if chosen(r) else None, **r.to_json()}
                 for i, (c, r) in enumerate(ranked[seq_len], 1)]
   written = []
   for seq_len, rows in ranked.items():

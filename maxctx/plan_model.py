@@ -178,18 +178,25 @@ def collective_bytes(config: Config, sizes: dict[str, int], platform: str = "tpu
   return out
 
 
-def recomputed_flops(config: Config) -> float:
+def recomputed_flops(config: Config, sizes: dict[str, int] | None = None) -> float:
   """The forward FLOPs that remat runs again in the backward: the layers' whole forward under `full` and
   `full_offload`; their projections and MLP under `save_attention_out` (attention's output and softmax statistics are
   kept, so attention itself is not rerun); attention alone under `save_dots` (its output is no dot, and the output
-  projection's gradient needs it); nothing under `none`."""
+  projection's gradient needs it); nothing under `none`. A chunked MLP (model.mlp_chunk below the tokens per device of
+  mesh `sizes`) rematerializes each step, so under `none` its gate and up projections run again; under the other
+  policies it costs nothing more (counted: the dot FLOPs of the compiled CPU step, loops' trip counts included, are
+  the same chunked and not under them, and greater by exactly those two projections under `none`)."""
   m, d = config.model, config.data
   tokens = d.batch_size * d.seq_len
   weights = 2.0 * (metrics.matmul_params(m) - m.d_model * m.vocab_size) * tokens
   attention_core = (metrics.flops_per_step(m, d.batch_size, d.seq_len) - 6.0 * metrics.matmul_params(m) * tokens) / 3
   forward = weights + attention_core
-  return {"full": forward, "full_offload": forward, "save_attention_out": weights, "save_dots": attention_core,
-          "none": 0.0}[m.remat]
+  out = {"full": forward, "full_offload": forward, "save_attention_out": weights, "save_dots": attention_core,
+         "none": 0.0}[m.remat]
+  local = d.seq_len // (sizes or {}).get("context", 1)
+  if m.remat == "none" and 0 < m.mlp_chunk < local:
+    out += 2.0 * 2 * m.d_model * m.d_ff * m.n_layers * tokens
+  return out
 
 
 def estimate(config: Config, sizes: dict[str, int], topo: topology_lib.Topology) -> Estimate:
@@ -205,7 +212,7 @@ def estimate(config: Config, sizes: dict[str, int], topo: topology_lib.Topology)
   m = config.model
   step_flops = metrics.flops_per_step(m, config.data.batch_size, config.data.seq_len)
   peak = chip.bf16_tflops * 1e12 / per_chip
-  compute_s = (step_flops + recomputed_flops(config)) / devices / peak
+  compute_s = (step_flops + recomputed_flops(config, sizes)) / devices / peak
   memory_s = 2 * sum(parts.values()) / (chip.hbm_gb_s * GB / per_chip)   # the roofline's argument + output + 2 × temp
   network_s = roofline.bytes_per_link(coll, chip, per_chip) / (chip.link_gb_s * GB)
   return Estimate(parts, host, coll, compute_s, memory_s, network_s, step_flops, peak * devices)

@@ -32,6 +32,10 @@ def validate(config: Config, num_devices: int, num_slices: int = 1, platform: st
   once, with one-sentence errors. Returns the mesh axis sizes. `platform` is the one the step will run on (default:
   this process's backend; `tpu` when compiling ahead of time from a CPU)."""
   config_lib.check(config)                                   # each key's value on its own
+  if config.model.remat == "auto":
+    raise ConfigError("model.remat auto is resolved only by maxctx.train, which measures the policies on the devices "
+                      "present, and by maxctx.compile, which plans for its TPU slice; elsewhere name a policy, e.g. "
+                      "from the recipe.yml of python -m maxctx.plan CONFIG --remat auto.")
   sizes = mesh_lib.axis_sizes(config.mesh, num_devices, num_slices)
   _check_batch(config, sizes)                                # the step's microbatches over the batch shards
   attention.validate(config.attention.strategy, attention_problem(config, sizes, platform))  # heads, layout, kernel

@@ -160,11 +160,12 @@ CASES = [
     ("plan-bad-remat", "plan", ["--remat=none,fulll"], ["fulll", "not a remat policy"]),
     ("plan-nothing-valid", "plan", ["--strategies=ulysses", "--lengths=98"], ["no candidate can run"]),
     ("plan-negative-compile", "plan", ["--topology=v5p-8", "--compile=-1"], ["--compile is -1"]),
-    # attention.strategy auto: planned by maxctx.train alone; nothing to choose from is one sentence too
+    # attention.strategy auto: planned by maxctx.train and maxctx.compile; nothing to choose from is one sentence too
     ("train-auto-nothing-runs", "train", ["attention.strategy=auto", "attention.kernel=flash"],
-     ["auto found no strategy", "runs only on tpu or gpu"]),
-    ("compile-strategy-auto", "compile", ["compile.topology=v5p-16", "attention.strategy=auto"],
-     ["resolved only by maxctx.train", "recipe.yml"]),
+     ["auto found no candidate", "runs only on tpu or gpu"]),
+    ("compile-auto-nothing-runs", "compile", ["compile.topology=v5p-16", "attention.strategy=auto",
+                                              "data.batch_size=3", "mesh.ici.data=2"],
+     ["auto found no candidate", "on v5p-16", "does not split"]),
     # maxctx.compile
     ("compile-no-topology", "compile", [], ["no TPU topology"]),
     ("compile-bad-topology", "compile", ["compile.topology=v5p-7"], ["v5p-7"]),

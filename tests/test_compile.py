@@ -9,6 +9,7 @@ import re
 import pytest
 
 from maxctx import compile as compile_lib
+from maxctx.compile import __main__ as compile_main
 from maxctx import hlo as hlo_lib
 from maxctx import trainer as trainer_lib
 from maxctx import topology
@@ -122,7 +123,7 @@ def test_over_hbm_is_reported_not_raised(tiny_path, capsys):
   # well, but made this test take 178 s instead of 52 (alone, on 2 cores of the AMD EPYC kind CI ran on).
   overrides = ["compile.topology=v5e-4", "attention.strategy=all_gather", "model.vocab_size=16777216",
                "data.batch_size=4"]
-  rc = compile_lib.main([tiny_path, *overrides, "--json"])
+  rc = compile_main.main([tiny_path, *overrides, "--json"])
   assert rc == 0
   report = json.loads(capsys.readouterr().out)
   assert not report["fits"] and report["memory"] is None and report["error"]

@@ -8,6 +8,7 @@ import pytest
 from maxctx import attention
 from maxctx import config as config_lib
 from maxctx import plan as plan_lib
+from maxctx import plan_candidates
 from maxctx import plan_tables
 from maxctx import trainer as trainer_lib
 from maxctx.errors import ConfigError
@@ -204,3 +205,114 @@ def test_when_nothing_fits_the_plan_names_the_closest_candidate_and_by_how_much(
   assert [r.over_bytes for _, r in rows] == [int(2.25 * 2**30), int(31.5 * 2**30)]
   assert plan_tables.verdict(rows).startswith(f"Nothing fits: the closest, {cands[1].label}, needs 2.2 GiB per device "
                                             "more than the 95.0 GiB of HBM")
+
+
+def test_mlp_chunk_is_a_candidate_where_it_splits_the_tokens_and_ties_go_to_the_chunked(tmp_path, monkeypatch):
+  # Issue 18 names model.mlp_chunk as a dimension of the plan. Llama 3.1 8B at 14M tokens on tpu7x-128 under
+  # save_attention_out, without compiling (aot.record gives the model's memory as the compiler's).
+  from maxctx import plan_model
+  from maxctx import topology as topology_lib
+  from maxctx.bench import aot
+  config = config_lib.load("configs/recipes/llama3.1-8b-14m-ring-tpu7x-128.yml")
+  chunks = plan_lib._mlp_chunks(None, config)
+  assert chunks == [0, plan_lib.MLP_CHUNK]   # the run's, and the plan's own
+  cands = [c for c in plan_lib.candidates(config, ["ring"], 14 * 2**20, ["save_attention_out"], 128, platform="tpu",
+                                          chunks=chunks) if c.context == 128]
+  assert [c.label for c in cands] == ["ring c=128 remat=save_attention_out",
+                                      "ring c=128 remat=save_attention_out mlp_chunk=16384"]
+  assert cands[1].overrides["model.mlp_chunk"] == 16384 and cands[1].case.config.model.mlp_chunk == 16384
+  # At 1M, 8,192 tokens per device: a 16,384-token chunk would not split them, so it is not tried.
+  short = plan_lib.candidates(config, ["ring"], 2**20, ["full"], 128, platform="tpu", chunks=chunks)
+  assert [c.mlp_chunk for c in short if c.context == 128] == [0]
+  assert plan_candidates.mlp_chunks([16384, 0], 8192) == [16384]
+  assert plan_candidates.mlp_chunks([0, 4096], 8192) == [0, 4096]
+  # The model: the same step time (the MLP runs again under this policy either way), less memory; so the chunked one
+  # is compiled first, and with --compile 1 it is the plan.
+  topo = topology_lib.resolve("tpu7x-128")
+  sizes = {"context": 128}
+  whole, chunked = (plan_model.estimate(c.case.config, sizes, topo) for c in cands)
+  assert whole.step_s == chunked.step_s and chunked.total < whole.total - 4 * 2**30
+  # Where the policy would keep the SwiGLU's gate and up, chunking runs them again: the model counts it.
+  kept = [config.replace(**{"model.remat": "none", "model.mlp_chunk": k}) for k in (0, 16384)]
+  extra = 4.0 * 4096 * 14336 * 32 * 14 * 2**20
+  more = plan_model.recomputed_flops(kept[1], sizes) - plan_model.recomputed_flops(kept[0], sizes)
+  assert more == pytest.approx(extra)
+  compiled = []
+
+  def record(case, mesh, out, reports, compile_missing):
+    if not compile_missing:
+      return {"status": "missing", "reason": "not compiled"}
+    compiled.append(case.config.model.mlp_chunk)
+    need = plan_model.estimate(case.config, mesh, topo).total
+    return {"status": "estimate", "source": "compiled in 1 s", "fits": need <= topo.hbm_bytes, "est_step_s": 1.0,
+            "est_mfu": 0.5, "memory_compiled": {"total": need}, "over_bytes": max(0, need - topo.hbm_bytes)}
+
+  monkeypatch.setattr(aot, "record", record)
+  records = plan_lib.estimate_all(cands, 128, 1, tmp_path, [], True, 1)
+  assert compiled == [16384]
+  assert plan_lib.rank(cands, records)[0][0] is cands[1]
+  (tmp_path / "recipe.yml").write_text(plan_lib.recipe("configs/recipes/llama3.1-8b-14m-ring-tpu7x-128.yml",
+                                                       cands[1], []))
+  assert config_lib.load(tmp_path / "recipe.yml").model.mlp_chunk == 16384
+  with pytest.raises(ConfigError, match="--mlp-chunk"):
+    plan_lib._mlp_chunks("0,-5", config)
+
+
+@pytest.mark.usefixtures("users_matmul_precision")   # compiles for a TPU: see tests/conftest.py
+def test_compile_resolves_strategy_auto_for_its_slice_and_reports_the_plans_own_compile(tmp_path, monkeypatch, capsys):
+  # maxctx.compile with attention.strategy=auto plans for compile.topology as maxctx.plan --topology does (the cost
+  # model's order, compiles cached beside the run) and prints the chosen candidate's report from that compile,
+  # without compiling it again. v5p-8 with data=2 leaves 2 devices: none, all_gather, ulysses and ring at c=2.
+  from maxctx import compile as compile_lib
+  from maxctx import plan_auto
+  from maxctx.compile import __main__ as compile_main
+  monkeypatch.setattr(plan_auto, "AUTO_COMPILES", 1)
+  compiled = []
+  real = compile_lib.compile_for
+  monkeypatch.setattr(compile_lib, "compile_for", lambda config, **kw: compiled.append(config) or real(config, **kw))
+  args = ["configs/bench.yml", "data.batch_size=4", "mesh.ici.data=2", "compile.topology=v5p-8",
+          "attention.strategy=auto", f"run.output_dir={tmp_path}"]
+  assert compile_main.main(args) == 0
+  assert len(compiled) == 1 and compiled[0].attention.strategy != "auto"
+  printed = capsys.readouterr()   # the report on stdout, the log on stderr
+  chose = compiled[0].attention.strategy
+  assert "attention.strategy auto: Chosen: " in printed.err and f"attention.strategy={chose}" in printed.err
+  assert "fits" in printed.out and "v5p-8" in printed.out
+  assert list((tmp_path / "plan-v5p-8" / "compile-cache").glob("*.json"))
+
+
+def test_remat_auto_measures_every_policy_on_the_runs_strategy_and_mesh_and_keeps_it_on_resume(tmp_path, monkeypatch,
+                                                                                               caplog):
+  # model.remat: auto without attention.strategy: auto plans the policy only: the run's strategy and mesh stay. The
+  # measuring is replaced by tokens/s per policy; a resumed run keeps the saved policy without measuring, and only
+  # what was auto is taken from config.yml.
+  import logging
+  import jax
+  from maxctx import plan_auto
+  from maxctx.bench import report
+  speed = {"none": 2.0, "save_attention_out": 2.5, "save_dots": 1.5, "full": 1.0, "full_offload": 0.5}
+  measured = []
+
+  def measure_all(cands, steps):
+    valid = [c for c in cands if c.case.config is not None]
+    measured.extend(c.remat for c in valid)
+    return [report.Record(strategy=c.strategy, seq_len=c.case.seq_len, length="", status="ok",
+                          tokens_per_s=speed[c.remat]) for c in valid]
+
+  monkeypatch.setattr(plan_lib, "measure_all", measure_all)
+  config = config_lib.load("configs/demo.yml", ["model.remat=auto"])
+  with caplog.at_level(logging.INFO, logger="maxctx"):
+    resolved = plan_auto.resolve(config, jax.devices(), tmp_path / "config.yml")
+  assert set(measured) >= {"none", "save_attention_out", "save_dots", "full"}
+  assert resolved.model.remat == "save_attention_out"
+  assert resolved.replace(**{"model.remat": "auto"}) == config   # nothing else planned
+  assert "model.remat auto chose ring" in caplog.text and "runner-up" in caplog.text
+  config_lib.save(resolved, tmp_path)
+  monkeypatch.setattr(plan_lib, "measure_all", lambda *a: pytest.fail("a resumed run measured again"))
+  kept = plan_auto.resolve(config, jax.devices(), tmp_path / "config.yml")
+  assert kept.model.remat == "save_attention_out"
+  # A run that names its policy now is not overruled by the saved plan.
+  named = config_lib.load("configs/demo.yml", ["model.remat=full"])
+  assert plan_auto.resolve(named, jax.devices(), tmp_path / "config.yml") is named
+  with pytest.raises(ConfigError, match="model.remat auto is resolved only by maxctx.train"):
+    trainer_lib.validate(config, 8)

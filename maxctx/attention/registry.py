@@ -136,15 +136,16 @@ def register(cls: type[Strategy]) -> type[Strategy]:
   return cls
 
 
-# Not a strategy: `maxctx.train` replaces it with the planner's choice before anything else reads the config.
+# Not a strategy: `maxctx.train` and `maxctx.compile` replace it with the planner's choice before anything else reads
+# the config.
 AUTO = "auto"
 
 
 def get(name: str) -> Strategy:
   if name == AUTO:
     raise ConfigError("attention.strategy auto is resolved only by maxctx.train, which measures the candidates on the "
-                      "devices present; elsewhere name a strategy, e.g. from the recipe.yml of python -m maxctx.plan "
-                      "CONFIG.")
+                      "devices present, and by maxctx.compile, which plans for its TPU slice; elsewhere name a "
+                      "strategy, e.g. from the recipe.yml of python -m maxctx.plan CONFIG.")
   if name not in STRATEGIES:
     close = difflib.get_close_matches(name, list(STRATEGIES), n=1)
     hint = f"did you mean {close[0]!r}?" if close else f"choose one of {', '.join(sorted(STRATEGIES))}."

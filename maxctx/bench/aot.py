@@ -159,7 +159,7 @@ def record(case: Case, mesh: dict[str, int], out_dir: pathlib.Path, reports: lis
     rec["reason"] = (f"does not fit: needs {report.memory.total / topology_lib.GIB:.1f} GiB per device of "
                      f"{topo.hbm_bytes / topology_lib.GIB:.1f} GiB HBM ({report.over_bytes / topology_lib.GIB:.1f} "
                      "GiB over)")
-  rec.update(roofline.estimate(report, topo, plan_model.recomputed_flops(case.config)))
+  rec.update(roofline.estimate(report, topo, plan_model.recomputed_flops(case.config, mesh)))
   coll = rec.get("collective_bytes")
   if coll is None:
     rec["note"] = "network time not estimated: the report has no collective bytes (compile it with maxctx.bench)"

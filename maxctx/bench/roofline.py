@@ -4,8 +4,9 @@ returns is an estimate, and is labelled so wherever it is printed or plotted.
 The model, per device, from the compile report of `maxctx.compile.compile_for` and the step's collective bytes
 (maxctx.hlo, loop trip counts included):
   compute  = analytic model FLOPs per device × 4/3 under `remat: full` or `full_offload` (the forward runs twice);
-             under `save_attention_out` and `save_dots` plus the forward FLOPs they rerun when the caller gives them
-             (maxctx.plan_model.recomputed_flops: the projections and the MLP, or attention), else none
+             under `save_attention_out`, `save_dots` and `none` plus the forward FLOPs they rerun when the caller
+             gives them (maxctx.plan_model.recomputed_flops: the projections and the MLP, or attention, or a chunked
+             MLP's gate and up), else none
              / peak bf16 FLOP/s
   memory   = (argument + output + 2 × temp bytes) / HBM bandwidth: each byte the step holds is written or read at
              least once, so this is a lower bound on HBM traffic, not a measurement of it
@@ -79,7 +80,7 @@ def estimate(report: CompileReport, topo: topology_lib.Topology,
   per_chip = topo.generation.devices_per_chip
   peak = chip.bf16_tflops * 1e12 / per_chip
   remat = 4 / 3 if report.remat in ("full", "full_offload") else 1.0
-  if report.remat in ("save_attention_out", "save_dots") and recomputed_flops:
+  if report.remat in ("save_attention_out", "save_dots", "none") and recomputed_flops:
     remat = 1.0 + recomputed_flops / report.flops_per_step
   compute_s = report.flops_per_device * remat / peak
   out: dict[str, Any] = {"est_compute_s": compute_s, "est_memory_s": None, "est_network_s": None,

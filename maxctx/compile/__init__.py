@@ -1,4 +1,5 @@
-"""Ahead-of-time compile of the full train step for a TPU slice, on any machine with libtpu (the `tpu` extra):
+"""Ahead-of-time compile of the full train step for a TPU slice, on any machine with libtpu (the `tpu` extra); the
+command is maxctx/compile/__main__.py:
 
     python -m maxctx.compile configs/recipes/llama3.1-8b-14m-ring-tpu7x-128.yml [compile.topology=v5p-128] [--json]
 
@@ -15,25 +16,22 @@ libtpu is asked (`--xla_tpu_no_crash_on_oom`) to finish such compiles so their s
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import glob
 import json
 import logging
 import os
 import re
-import sys
 import time
 from typing import Any, Callable
 
 from maxctx import config as config_lib
-from maxctx import console
 from maxctx import hlo as hlo_lib
 from maxctx import scopes
 from maxctx import topology as topology_lib
 from maxctx.compile_report import CompileReport, Memory, format_report
 from maxctx.config import Config
-from maxctx.errors import ArgumentParser, ConfigError, exit_code
+from maxctx.errors import ConfigError
 
 log = logging.getLogger("maxctx")
 
@@ -217,31 +215,3 @@ def compile_for(config: Config, inspect: Callable[[Any], dict[str, Any]] | None 
 def _validate(trainer_lib, config, num_devices: int, num_slices: int) -> dict[str, int]:
   # Kernels are checked against the platform that will run them (TPU), not the host's.
   return trainer_lib.validate(config, num_devices, num_slices, platform="tpu")
-
-
-def _parser() -> argparse.ArgumentParser:
-  p = ArgumentParser(prog="python -m maxctx.compile", description=__doc__.split("\n\n")[0],
-                     formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("config", help="the run's YAML file (e.g. a recipe in configs/recipes/)")
-  p.add_argument("overrides", nargs="*",
-                 help="section.key=value, e.g. compile.topology=v5p-128 compile.num_slices=2 attention.kernel=flash")
-  p.add_argument("--json", action="store_true", help="print the report as JSON")
-  return p
-
-
-def main(argv: list[str] | None = None) -> int:
-  args = _parser().parse_intermixed_args(sys.argv[1:] if argv is None else argv)
-  # The report goes to stdout; progress and libtpu's chatter to stderr, so `--json > report.json` stays clean.
-  console.setup("stderr")
-
-  def body():
-    config = load(args.config, args.overrides)
-    log.info("compiling %s for %s ...", args.config, config.compile.topology)
-    report = compile_for(config)
-    print(json.dumps(report.to_json(), indent=2) if args.json else format_report(report))
-
-  return exit_code(body)
-
-
-if __name__ == "__main__":
-  sys.exit(main())

@@ -1,0 +1,89 @@
+"""Does the measured plan pick what a maxctx.bench sweep of the same run finds fastest? (issue 18, acceptance 2)
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu .venv/bin/python scripts/bench_plan_measured.py \
+        [configs/bench.yml] [--lengths 512,1k,2k,4k] [--out runs/plan-vs-bench] [--reuse]
+
+Runs, each as its own process, one after the other:
+  1. python -m maxctx.plan CONFIG --lengths L --out OUT/plan                (measured mode: every candidate timed)
+  2. python -m maxctx.bench CONFIG --lengths L --out OUT/bench              (the sweep: each strategy on the run's mesh)
+  3. for each length whose plan is not one of the sweep's cases (another context degree or ulysses split):
+     python -m maxctx.bench OUT/plan/recipe-<L>.yml --strategies S --lengths L --out OUT/pick-<L>
+Then prints, per length, the plan's pick, its tokens/s in the bench runs, the best tokens/s of the bench runs, their
+ratio and whether it is within 15%, and writes OUT/summary.json. With --reuse, a step whose output exists is not run
+again. On fake CPU devices timings rank overheads on this host, not accelerator speed, and move between runs (README).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import yaml
+
+MARK = 0.85   # the pick's tokens/s in the sweep, at least this share of the best
+
+
+def _records(path: pathlib.Path) -> list[dict]:
+  return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _mesh(sizes: dict[str, int]) -> str:
+  return " × ".join(f"{a}={n}" for a, n in sizes.items() if n > 1) or "1 device"
+
+
+def _run(args: list[str], out: pathlib.Path, reuse: bool) -> None:
+  if reuse and out.exists():
+    return
+  print("$", " ".join(args), flush=True)
+  subprocess.run([sys.executable, "-m", *args, "--out", str(out)], check=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("config", nargs="?", default="configs/bench.yml")
+  p.add_argument("--lengths", default="512,1k,2k,4k")
+  p.add_argument("--out", default="runs/plan-vs-bench")
+  p.add_argument("--reuse", action="store_true", help="do not run a step whose output directory exists")
+  args = p.parse_args(argv)
+  if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    print("set XLA_FLAGS=--xla_force_host_platform_device_count=8 and JAX_PLATFORMS=cpu (see the docstring)",
+          file=sys.stderr)
+    return 2
+  out = pathlib.Path(args.out)
+  _run(["maxctx.plan", args.config, "--lengths", args.lengths], out / "plan", args.reuse)
+  _run(["maxctx.bench", args.config, "--lengths", args.lengths], out / "bench", args.reuse)
+  sweep = [r for r in _records(out / "bench" / "results.jsonl") if r.get("status") == "ok"]
+  picks = [r for r in _records(out / "plan" / "plan.jsonl") if r.get("rank") == 1]
+  rows = []
+  for pick in picks:
+    length = pick["length"]
+    runs = [r for r in sweep if r["length"] == length]
+    same = [r for r in runs if r["strategy"] == pick["strategy"] and r["mesh"] == pick["mesh"]]
+    if not same:   # not in the sweep: bench the plan's recipe for this length on its own
+      recipe = out / "plan" / f"recipe-{length}.yml"
+      strategy = yaml.safe_load(recipe.read_text())["attention"]["strategy"]
+      _run(["maxctx.bench", str(recipe), "--strategies", strategy, "--lengths", length], out / f"pick-{length}",
+           args.reuse)
+      same = [r for r in _records(out / f"pick-{length}" / "results.jsonl") if r.get("status") == "ok"]
+      runs = runs + same
+    best = max(runs, key=lambda r: r["tokens_per_s"])
+    got = same[0]["tokens_per_s"] if same else 0.0
+    rows.append({"length": length, "plan": pick["candidate"], "plan_tokens_per_s": pick["tokens_per_s"],
+                 "bench_tokens_per_s": got, "best": f"{best['strategy']} ({_mesh(best['mesh'])})",
+                 "best_tokens_per_s": best["tokens_per_s"], "ratio": got / best["tokens_per_s"],
+                 "within": got >= MARK * best["tokens_per_s"]})
+  print(f"\n| tokens | plan | planning tokens/s | its tokens/s in maxctx.bench | best in maxctx.bench | ratio | "
+        f"within {1 - MARK:.0%} |\n|---|---|---:|---:|---|---:|---|")
+  for r in rows:
+    print(f"| {r['length']} | {r['plan']} | {r['plan_tokens_per_s']:,.0f} | {r['bench_tokens_per_s']:,.0f} | "
+          f"{r['best']}: {r['best_tokens_per_s']:,.0f} | {r['ratio']:.2f} | {'yes' if r['within'] else 'no'} |")
+  (out / "summary.json").write_text(json.dumps(rows, indent=2) + "\n")
+  return 0 if rows and all(r["within"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())
