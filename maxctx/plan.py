@@ -26,14 +26,15 @@ the least such estimated step time (ties, common when every candidate is compute
 memory). When nothing fits, the plan says which candidate came closest and by how many GiB. plan.md lists the model's
 estimate beside the compiler's for every candidate.
 
-Writes to --out (default <run.output_dir>/plan, or plan-<topology>): plan.md (every candidate, ranked), plan.jsonl
-(one record each) and recipe.yml -- the run file with the chosen strategy, mesh and remat, which `maxctx.train` and
-`maxctx.compile` take as is (with several lengths, recipe-<length>.yml for each; in topology mode its
-compile.topology is the slice). Timings on fake CPU devices share the host's cores: they rank the candidates'
-overheads on this machine, not accelerator speed.
+Writes to --out (default <run.output_dir>/plan, or plan-<topology>): plan.md (every candidate, ranked), plan.jsonl (one
+record each) and recipe.yml -- the run file with the chosen strategy, mesh, remat and MLP chunk, which `maxctx.train`
+and `maxctx.compile` take as is (with several lengths, recipe-<length>.yml for each; in topology mode its
+compile.topology is the slice). Timings on fake CPU devices share the host's cores: they rank the candidates' overheads
+on this machine, not accelerator speed.
 
-maxctx.plan_tables writes plan.md; maxctx.plan_auto is the measured mode for `attention.strategy: auto` in a run file,
-which `maxctx.train` resolves before it validates.
+maxctx.plan_candidates lists the candidates; maxctx.plan_tables writes plan.md; maxctx.plan_auto resolves
+`attention.strategy: auto` and `model.remat: auto` in a run file with either mode: measured for `maxctx.train`, for
+the slice for `maxctx.compile`.
 """
 
 from __future__ import annotations

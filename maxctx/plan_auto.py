@@ -5,9 +5,9 @@ then compiles until one fits)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import pathlib
-from typing import Any
 
 import numpy as np
 
@@ -20,6 +20,7 @@ from maxctx import plan_tables
 from maxctx import resume_match
 from maxctx import trainer as trainer_lib
 from maxctx.bench import plan as cases_lib
+from maxctx.compile_report import CompileReport
 from maxctx.config import MESH_AXES, Config
 from maxctx.errors import ConfigError
 
@@ -31,21 +32,21 @@ PLANNED = ("attention.strategy", "attention.ulysses_degree",
            *(f"mesh.{level}.{a}" for level in ("ici", "dcn") for a in MESH_AXES))
 REMAT = "model.remat"
 AUTO_STEPS = 2   # timed steps per candidate when maxctx.train resolves `auto` (after one warm-up and one profiled)
-AUTO_COMPILES = 2   # candidates maxctx.compile compiles when it resolves `auto` for a slice (then only until one fits)
+AUTO_COMPILES = 1   # candidates maxctx.compile compiles when it resolves `auto` for a slice (then only until one fits)
 
 
 def is_auto(config: Config) -> bool:
   return config.attention.strategy == attention.AUTO or config.model.remat == plan_candidates.AUTO
 
 
-def _planned(config: Config) -> tuple[str, ...]:
-  """The keys this run leaves to the planner."""
+def planned_keys(config: Config) -> tuple[str, ...]:
+  """The keys this run leaves to the planner (those a resumed run takes from the plan it saved)."""
   return ((PLANNED if config.attention.strategy == attention.AUTO else ())
           + ((REMAT,) if config.model.remat == plan_candidates.AUTO else ()))
 
 
 def _what(config: Config) -> str:
-  return " and ".join(f"{k} auto" for k in ("attention.strategy", REMAT) if k in _planned(config))
+  return " and ".join(f"{k} auto" for k in ("attention.strategy", REMAT) if k in planned_keys(config))
 
 
 def _candidates(config: Config, n: int, slices: int, platform: str | None = None) -> list[plan_candidates.Candidate]:
@@ -63,7 +64,7 @@ def _candidates(config: Config, n: int, slices: int, platform: str | None = None
                                platform=platform)
     context = case.config.mesh.ici.context * case.config.mesh.dcn.context if case.config else 0
     out.append(plan_candidates.Candidate(config.attention.strategy, context, config.attention.ulysses_degree, remat,
-                                  config.model.mlp_chunk, case))
+                                         config.model.mlp_chunk, case))
   return out
 
 
@@ -114,11 +115,11 @@ def resolve(config: Config, devices, saved: pathlib.Path | None = None) -> Confi
 
 
 def _apply(config: Config, best: plan_candidates.Candidate) -> Config:
-  keys = _planned(config)
+  keys = planned_keys(config)
   return config.replace(**{k: v for k, v in best.overrides.items() if k in keys})
 
 
-def resolve_for_slice(config: Config, out: pathlib.Path) -> tuple[Config, Any]:
+def resolve_for_slice(config: Config, out: pathlib.Path) -> tuple[Config, CompileReport]:
   """(`config` with `attention.strategy: auto` and `model.remat: auto` replaced by the plan for its compile.topology,
   the chosen candidate's compile report): the candidates of `_candidates`, estimated by the cost model and compiled in
   its order as `python -m maxctx.plan --topology` does (AUTO_COMPILES, then only until one fits), compiles cached
@@ -143,7 +144,8 @@ def resolve_for_slice(config: Config, out: pathlib.Path) -> tuple[Config, Any]:
   best = ranked[0][0]
   log.info("%s: %s", what, plan_tables.verdict(ranked).replace("**", ""))
   report, _ = aot.report_for(best.case, mesh_lib.axis_sizes(best.case.config.mesh, n, slices), out, [], False)
-  return _apply(config, best), report
+  # The report of the plan's own compile, named for this run rather than for the planner's case.
+  return _apply(config, best), dataclasses.replace(report, config=config.run.name)
 
 
 def _saved_plan(config: Config, saved: pathlib.Path | None, n: int, slices: int) -> Config | None:
@@ -161,7 +163,7 @@ def _saved_plan(config: Config, saved: pathlib.Path | None, n: int, slices: int)
              config.data.seq_len)
     return None
   flat = resume_match.flat(old.to_dict())
-  kept = config.replace(**{k: flat[k] for k in _planned(config)})
+  kept = config.replace(**{k: flat[k] for k in planned_keys(config)})
   if is_auto(kept):   # e.g. a config.yml that was never planned
     return None
   try:

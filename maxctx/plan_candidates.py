@@ -56,12 +56,9 @@ MLP_CHUNK = 16384
 
 
 def mlp_chunks(wanted: list[int], local: int) -> list[int]:
-  """The MLP chunks of `wanted` that differ for `local` tokens per device, each as first given: one that does not
-  split them (≥ local) runs the MLP unchunked, as 0 does, so only the first of those is tried."""
-  first: dict[int, int] = {}
-  for c in wanted:
-    first.setdefault(c if 0 < c < local else 0, c)
-  return list(first.values())
+  """The MLP chunks of `wanted` that differ for `local` tokens per device, as they run: one that does not split them
+  (≥ local) runs the MLP unchunked, so it is tried once, as 0."""
+  return list(dict.fromkeys(c if 0 < c < local else 0 for c in wanted))
 
 
 def candidates(base: Config, strategies: list[str], seq_len: int, remats: list[str], num_devices: int,
@@ -80,11 +77,13 @@ def candidates(base: Config, strategies: list[str], seq_len: int, remats: list[s
     degrees = [1] if strategy == cases_lib.NONE else [d for d in _divisors(free) if d > 1]
     for context in degrees:
       ulysses = [u for u in _divisors(context) if 1 < u < context] if strategy == "usp" else [None]
+      # `none` puts the DCN context on fsdp too (cases_lib.configure): its one sequence is whole on each device.
+      total = 1 if strategy == cases_lib.NONE else context * dcn["context"]
       for u in ulysses:
-        for remat, chunk in itertools.product(remats, mlp_chunks(chunks, seq_len // (context * dcn["context"]))):
+        for remat, chunk in itertools.product(remats, mlp_chunks(chunks, seq_len // total)):
           config = base.replace(**{"model.remat": remat, "model.mlp_chunk": chunk, "attention.ulysses_degree": u,
                                    "mesh.ici.context": context, "mesh.ici.fsdp": free // context})
           case = cases_lib.configure(config, strategy, seq_len, num_devices, num_slices, steps=steps,
                                      platform=platform)
-          out.append(Candidate(strategy, context * dcn["context"], u, remat, chunk, case))
+          out.append(Candidate(strategy, total, u, remat, chunk, case))
   return out

@@ -6,7 +6,7 @@
 Runs, each as its own process, one after the other:
   1. python -m maxctx.plan CONFIG --lengths L --out OUT/plan                (measured mode: every candidate timed)
   2. python -m maxctx.bench CONFIG --lengths L --out OUT/bench              (the sweep: each strategy on the run's mesh)
-  3. for each length whose plan is not one of the sweep's cases (another context degree or ulysses split):
+  3. for each length whose plan is not one of the sweep's cases (another context degree, or usp):
      python -m maxctx.bench OUT/plan/recipe-<L>.yml --strategies S --lengths L --out OUT/pick-<L>
 Then prints, per length, the plan's pick, its tokens/s in the bench runs, the best tokens/s of the bench runs, their
 ratio and whether it is within 15%, and writes OUT/summary.json. With --reuse, a step whose output exists is not run
@@ -62,16 +62,21 @@ def main(argv: list[str] | None = None) -> int:
   for pick in picks:
     length = pick["length"]
     runs = [r for r in sweep if r["length"] == length]
-    same = [r for r in runs if r["strategy"] == pick["strategy"] and r["mesh"] == pick["mesh"]]
-    if not same:   # not in the sweep: bench the plan's recipe for this length on its own
-      recipe = out / "plan" / f"recipe-{length}.yml"
+    # The same strategy on the same mesh (usp's ulysses degree the sweep leaves to the strategy, so a usp plan is
+    # benched on its own, as is any plan on another mesh).
+    same = [r for r in runs if r["strategy"] == pick["strategy"] != "usp" and r["mesh"] == pick["mesh"]]
+    if not same:
+      recipe = out / "plan" / (f"recipe-{length}.yml" if len(picks) > 1 else "recipe.yml")
       strategy = yaml.safe_load(recipe.read_text())["attention"]["strategy"]
       _run(["maxctx.bench", str(recipe), "--strategies", strategy, "--lengths", length], out / f"pick-{length}",
            args.reuse)
       same = [r for r in _records(out / f"pick-{length}" / "results.jsonl") if r.get("status") == "ok"]
       runs = runs + same
+    if not same or not runs:
+      print(f"{length}: the plan's candidate did not run in maxctx.bench", file=sys.stderr)
+      return 1
     best = max(runs, key=lambda r: r["tokens_per_s"])
-    got = same[0]["tokens_per_s"] if same else 0.0
+    got = same[0]["tokens_per_s"]
     rows.append({"length": length, "plan": pick["candidate"], "plan_tokens_per_s": pick["tokens_per_s"],
                  "bench_tokens_per_s": got, "best": f"{best['strategy']} ({_mesh(best['mesh'])})",
                  "best_tokens_per_s": best["tokens_per_s"], "ratio": got / best["tokens_per_s"],

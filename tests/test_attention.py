@@ -184,6 +184,19 @@ def test_hlo_contains_the_strategy_collectives(strategy, kw, present, absent):
     assert op not in ops, f"{strategy}: unexpected {op} in the compiled HLO"
 
 
+def test_every_pass_of_the_ring_is_counted_in_the_compiled_step(monkeypatch):
+  # The ring's pass loop has a bound XLA cannot see (Ring.pass_loop), so no compiler states its trip count; its op
+  # name carries it (scopes.trips) and maxctx.hlo reads it there. Two KV heads in a pass each (PASS_BYTES lowered)
+  # make two passes: each hop's collectives run twice as often, and no loop's count is unknown.
+  from maxctx import hlo
+  from maxctx.attention import ring
+  one = hlo.collectives(compiled_vjp("ring", make_mesh(), 2, 256, 8, 2, 16).as_text(), 8)
+  monkeypatch.setattr(ring, "PASS_BYTES", 1)
+  two = hlo.collectives(compiled_vjp("ring", make_mesh(), 2, 256, 8, 2, 16).as_text(), 8)
+  assert one.unknown_trip_counts == two.unknown_trip_counts == 0
+  assert two.executions["collective-permute"] == 2 * one.executions["collective-permute"] > 0
+
+
 # --- memory ------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("shape, dtype, degree, block_kv, want", [

@@ -107,14 +107,15 @@ def test_compute_counts_what_each_remat_policy_runs_again():
 def test_a_chunked_mlp_costs_the_flops_the_model_says_in_the_compiled_step():
   # The planner ties a chunked MLP with its unchunked twin except under remat none (plan_model.recomputed_flops). The
   # compiled CPU step of the tiny model on one device, its dots' FLOPs counted with loops' trip counts (maxctx.hlo):
-  # under `full` chunking adds none; under `none` it adds exactly what the model adds (the gate and up projections).
+  # under `full`, `save_attention_out` and `save_dots` chunking adds none; under `none` it adds exactly what the model
+  # adds (the gate and up projections).
   import jax
   from maxctx import hlo
   from maxctx import mesh as mesh_lib
   from maxctx.compile import abstract_args
   base = config_lib.load("configs/bench.yml", [
       "mesh.ici.fsdp=1", "mesh.ici.context=1", "attention.strategy=all_gather", "data.batch_size=1",
-      "data.seq_len=512", "model.d_ff=1024"])
+      "data.seq_len=256", "model.d_ff=512"])
   mesh = mesh_lib.build_mesh(base.mesh, jax.devices()[:1])
 
   def flops(config):
@@ -123,9 +124,9 @@ def test_a_chunked_mlp_costs_the_flops_the_model_says_in_the_compiled_step():
       text = trainer.step.lower(*abstract_args(trainer, config)).compile().as_text()
     return hlo.dot_flops(text), plan_model.recomputed_flops(config, {"context": 1})
 
-  for remat in ("full", "none"):
+  for remat in ("full", "save_attention_out", "save_dots", "none"):
     (whole, model_whole), (chunked, model_chunked) = (
-        flops(base.replace(**{"model.remat": remat, "model.mlp_chunk": chunk})) for chunk in (0, 128))
+        flops(base.replace(**{"model.remat": remat, "model.mlp_chunk": chunk})) for chunk in (0, 64))
     assert chunked - whole == pytest.approx(model_chunked - model_whole, rel=1e-6, abs=1.0), remat
     assert (chunked > whole) == (remat == "none")
 

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import glob
-import json
-import logging
 import os
 import re
 import time
@@ -32,8 +30,6 @@ from maxctx import topology as topology_lib
 from maxctx.compile_report import CompileReport, Memory, format_report
 from maxctx.config import Config
 from maxctx.errors import ConfigError
-
-log = logging.getLogger("maxctx")
 
 GIB = topology_lib.GIB
 NO_CRASH_ON_OOM = "--xla_tpu_no_crash_on_oom=true"

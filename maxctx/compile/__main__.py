@@ -1,4 +1,5 @@
-"""python -m maxctx.compile: compiles a run's train step for its TPU slice and prints the report (maxctx.compile).
+"""Compiles a run's train step for its TPU slice ahead of time, on any machine with libtpu (the `tpu` extra), and
+prints what the step needs of the slice (the library: maxctx.compile).
 
     python -m maxctx.compile configs/recipes/llama3.1-8b-14m-ring-tpu7x-128.yml [compile.topology=v5p-128] [--json]
 
@@ -16,20 +17,26 @@ import logging
 import pathlib
 import sys
 
+from maxctx import compile as compile_lib
 from maxctx import console
 from maxctx import plan_auto
-from maxctx import compile as compile_lib
+from maxctx import resume_match
 from maxctx.config import Config
 from maxctx.errors import ArgumentParser, exit_code
 
 log = logging.getLogger("maxctx")
 
 
-def _planned(config: Config) -> str:
-  a, ici = config.attention, config.mesh.ici
-  u = f" ulysses_degree={a.ulysses_degree}" if a.ulysses_degree else ""
-  return (f"attention.strategy={a.strategy}{u} mesh.ici.fsdp={ici.fsdp} mesh.ici.context={ici.context} "
-          f"model.remat={config.model.remat} (set them in the run file to compile this plan without planning again)")
+def _keys(config: Config, keys: tuple[str, ...]) -> str:
+  flat = resume_match.flat(config.to_dict())
+  return " ".join(f"{k}={flat[k] if flat[k] is not None else 'null'}" for k in keys)
+
+
+def _cache(config: Config) -> pathlib.Path:
+  """Where the planner caches its compiles: beside the run's output, or, for an output_dir on a bucket, under
+  runs/<run.name>/ here (the compile runs on this machine)."""
+  base = config.run.output_dir if "://" not in config.run.output_dir else f"runs/{config.run.name}"
+  return pathlib.Path(base) / f"plan-{config.compile.topology}"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -51,10 +58,11 @@ def main(argv: list[str] | None = None) -> int:
     config = compile_lib.load(args.config, args.overrides)
     if plan_auto.is_auto(config):
       # The planner for the slice compiles the candidates, the chosen one among them: its report is this command's.
-      out = pathlib.Path(config.run.output_dir) / f"plan-{config.compile.topology}"
-      config, report = plan_auto.resolve_for_slice(config, out)
-      log.info("planned for %s: %s (every candidate: python -m maxctx.plan %s --topology %s)",
-               config.compile.topology, _planned(config), args.config, config.compile.topology)
+      keys = plan_auto.planned_keys(config)
+      config, report = plan_auto.resolve_for_slice(config, _cache(config))
+      log.info("planned for %s: %s (set these in the run file to compile the plan without planning again; every "
+               "candidate: python -m maxctx.plan %s --topology %s)", config.compile.topology, _keys(config, keys),
+               args.config, config.compile.topology)
     else:
       log.info("compiling %s for %s ...", args.config, config.compile.topology)
       report = compile_lib.compile_for(config)
