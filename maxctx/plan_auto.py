@@ -35,14 +35,14 @@ AUTO_STEPS = 2   # timed steps per candidate when maxctx.train resolves `auto` (
 AUTO_COMPILES = 1   # candidates maxctx.compile compiles when it resolves `auto` for a slice (then only until one fits)
 
 
-def is_auto(config: Config) -> bool:
-  return config.attention.strategy == attention.AUTO or config.model.remat == plan_candidates.AUTO
-
-
 def planned_keys(config: Config) -> tuple[str, ...]:
   """The keys this run leaves to the planner (those a resumed run takes from the plan it saved)."""
   return ((PLANNED if config.attention.strategy == attention.AUTO else ())
           + ((REMAT,) if config.model.remat == plan_candidates.AUTO else ()))
+
+
+def is_auto(config: Config) -> bool:
+  return bool(planned_keys(config))
 
 
 def _what(config: Config) -> str:
