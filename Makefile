@@ -1,7 +1,7 @@
 # make train: install into .venv and train the demo on 8 fake CPU devices.
-# make test: install the test and tpu extras (libtpu lets tests compile for TPU topologies here) and run every test,
-# then the fast tests of LOWER_TESTS again on the oldest releases pyproject.toml admits (constraints/lower.txt, in
-# .venv-lower).
+# make test: install the test, parity and tpu extras (libtpu lets tests compile for TPU topologies here) and run every
+# test, then the fast tests of LOWER_TESTS again on the oldest releases pyproject.toml admits (constraints/lower.txt,
+# in .venv-lower, without the parity extra: none of those tests compares against torch).
 # Installs take the releases CI tested (constraints/current.txt); pyproject.toml itself states ranges.
 #
 # jax >= 0.11 needs Python >= 3.12: PYTHON is the first interpreter new enough (pyenv's too, where `python3` is older).
@@ -27,7 +27,7 @@ $(VENV)/.base: pyproject.toml constraints/current.txt | python
 	touch $@
 
 $(VENV)/.test: $(VENV)/.base
-	$(PY) -m pip install --quiet -c constraints/current.txt -e '.[test,tpu]'
+	$(PY) -m pip install --quiet -c constraints/current.txt -e '.[test,parity,tpu]'
 	touch $@
 
 $(LOWER)/.test: pyproject.toml constraints/lower.txt | python
