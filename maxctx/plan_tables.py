@@ -51,15 +51,16 @@ def markdown(ranked: dict[int, Rows], setup: str) -> str:
       runner = f"; runner-up {rows[1][0].label} ({ok[1].tokens_per_s:,.0f} tokens/s)" if len(ok) > 1 else ""
       lines += [f"Chosen: **{rows[0][0].label}**, {best.tokens_per_s:,.0f} tokens/s, the fastest of {len(ok)} "
                 f"measured{runner}.", ""]
-    lines += ["| rank | candidate | mesh | tokens/s | step s (median) | memory per device MiB, compiled total | "
-              "last loss | status |", "|---:|---|---|---:|---:|---:|---:|---|"]
+    lines += ["| rank | candidate | mesh | tokens/s | step s (median) | rounds | memory per device MiB, compiled "
+              "total | last loss | status |", "|---:|---|---|---:|---:|---:|---:|---:|---|"]
     for i, (cand, r) in enumerate(_considered(rows), 1):
       mesh = (" × ".join(f"{a}={s}" for a, s in r.mesh.items() if s > 1) or "1 device") if r.mesh else "—"
       memory = _mib(r.memory_compiled["total"]) if r.memory_compiled else "—"
       status = "ok" if r.status == "ok" else f"{r.status}: {r.reason}"
       lines.append(f"| {i if r.status == 'ok' else '—'} | {cand.label} | {mesh} | "
                    f"{'—' if r.tokens_per_s is None else f'{r.tokens_per_s:,.0f}'} | "
-                   f"{'—' if r.step_time_s is None else f'{r.step_time_s:.3f}'} | {memory} | "
+                   f"{'—' if r.step_time_s is None else f'{r.step_time_s:.3f}'} | {r.timed_rounds or '—'} | "
+                   f"{memory} | "
                    f"{'—' if r.loss is None else f'{r.loss:.6f}'} | {status} |")
     lines += ["", *_refused(rows)]
   return "\n".join(lines)

@@ -52,6 +52,7 @@ class Record:
   peak_runtime_note: str | None = None
   step_time_s: float | None = None
   step_times_s: list[float] | None = None
+  timed_rounds: int | None = None          # maxctx.plan re-times its closest candidates: their step_times_s pool both
   tokens_per_s: float | None = None
   loss: float | None = None
   losses: list[float] | None = None
