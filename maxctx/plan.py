@@ -272,7 +272,7 @@ def _remats(text: str | None, config: Config) -> list[str]:
 
 def _mlp_chunks(text: str | None, config: Config) -> list[int]:
   if text is None:
-    return [config.model.mlp_chunk, MLP_CHUNK]
+    return list(dict.fromkeys([config.model.mlp_chunk, MLP_CHUNK]))
   try:
     values = [int(s) for s in text.split(",") if s.strip()]
   except ValueError:

@@ -89,7 +89,7 @@ LAUNCH = [V7_14M, "--cluster", "c", "--image", "i", "--dry-run"]
 
 
 @pytest.mark.parametrize("argv, words", [
-    # The v7 recipe needs 126 GiB per device, more than a v5p device's 95: the shapes allow it, the HBM does not.
+    # The v7 recipe needs 102 GiB per device, more than a v5p device's 95: the shapes allow it, the HBM does not.
     (["--tpu-type", "v5p-128"], ["was compiled for 1 × tpu7x-128", "not for 1 × v5p-128",
                                  "python -m maxctx.compile configs/recipes/llama3.1-8b-14m-ring-tpu7x-128.yml "
                                  "compile.topology=v5p-128 compile.num_slices=1 --json > fit.json",

@@ -243,9 +243,10 @@ def test_mlp_chunk_is_a_candidate_where_it_splits_the_tokens_and_ties_go_to_the_
   from maxctx import plan_model
   from maxctx import topology as topology_lib
   from maxctx.bench import aot
-  config = config_lib.load("configs/recipes/llama3.1-8b-14m-ring-tpu7x-128.yml")
+  config = config_lib.load("configs/recipes/llama3.1-8b-14m-ring-tpu7x-128.yml", ["model.mlp_chunk=0"])
   chunks = plan_lib._mlp_chunks(None, config)
   assert chunks == [0, plan_lib.MLP_CHUNK]   # the run's, and the plan's own
+  assert plan_lib._mlp_chunks(None, config.replace(**{"model.mlp_chunk": 16384})) == [16384]   # once
   cands = [c for c in plan_lib.candidates(config, ["ring"], 14 * 2**20, ["save_attention_out"], 128, platform="tpu",
                                           chunks=chunks) if c.context == 128]
   assert [c.label for c in cands] == ["ring c=128 remat=save_attention_out",
@@ -282,7 +283,7 @@ def test_mlp_chunk_is_a_candidate_where_it_splits_the_tokens_and_ties_go_to_the_
   assert compiled == [16384]
   assert plan_lib.rank(cands, records)[0][0] is cands[1]
   (tmp_path / "recipe.yml").write_text(plan_lib.recipe("configs/recipes/llama3.1-8b-14m-ring-tpu7x-128.yml",
-                                                       cands[1], []))
+                                                       cands[1], ["model.mlp_chunk=0"]))
   assert config_lib.load(tmp_path / "recipe.yml").model.mlp_chunk == 16384
   with pytest.raises(ConfigError, match="--mlp-chunk"):
     plan_lib._mlp_chunks("0,-5", config)

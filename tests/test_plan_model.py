@@ -73,7 +73,7 @@ def test_memory_and_collective_bytes_against_the_planners_compiled_sweeps_in_the
 
 
 def test_memory_moves_the_way_the_policies_and_strategies_say():
-  config = config_lib.load("configs/recipes/llama3.1-8b-14m-ring-v5p-128.yml")
+  config = config_lib.load("configs/recipes/llama3.1-8b-14m-ring-v5p-128.yml", ["model.mlp_chunk=0"])
   sizes, topo = _all_devices_on_context(config)
 
   def total(**overrides):

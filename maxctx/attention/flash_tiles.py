@@ -41,9 +41,11 @@ def ids_rows(segment_ids_BT, positions_BT):
 
 
 def summaries(segment_ids_BT, positions_BT, block):
-  """`mask.summarize` per block, flattened for SMEM (scalar prefetch): [B · T/block · FIELDS] int32."""
+  """`mask.summarize` per block, flattened for SMEM (scalar prefetch): [FIELDS · B · T/block] int32, field-major.
+  Field-major keeps the array lane-dense in HBM on its way there: [B, T/block, FIELDS] pads its 5 to the TPU's 128
+  lanes (0.9 MiB instead of 35 KiB per call at 1,792 blocks)."""
   fields = mask.summarize(segment_ids_BT, positions_BT, block)
-  return jnp.stack([f.astype(jnp.int32) for f in fields], axis=-1).reshape(-1)
+  return jnp.stack([f.astype(jnp.int32) for f in fields]).reshape(-1)
 
 
 def all_hidden(q_seg, kv_seg, q_pos, kv_pos, bq, bk):
@@ -53,8 +55,9 @@ def all_hidden(q_seg, kv_seg, q_pos, kv_pos, bq, bk):
 
 def tile_kind(q_sums, kv_sums, b, i, j, nq, nk):
   """(hidden, full) scalars for query block i and key block j of batch row b, from the SMEM summaries."""
-  q = [q_sums[(b * nq + i) * FIELDS + f] for f in range(FIELDS)]
-  kv = [kv_sums[(b * nk + j) * FIELDS + f] for f in range(FIELDS)]
+  q_stride, kv_stride = q_sums.shape[0] // FIELDS, kv_sums.shape[0] // FIELDS   # B · blocks
+  q = [q_sums[f * q_stride + b * nq + i] for f in range(FIELDS)]
+  kv = [kv_sums[f * kv_stride + b * nk + j] for f in range(FIELDS)]
   q[4], kv[4] = q[4] != 0, kv[4] != 0
   return mask.pair_hidden(q, kv), mask.pair_full(q, kv)
 
