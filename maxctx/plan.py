@@ -78,6 +78,23 @@ RETIME_WITHIN = 0.85
 RETIME_MAX = 3
 
 
+def _close(records: list[report.Record]) -> list[int]:
+  """Indices of the records within RETIME_WITHIN of the fastest, fastest first, at most RETIME_MAX. With several
+  processes, process 0's: every process must train the same candidates, since a step's collectives span them all."""
+  ok = [i for i, r in enumerate(records) if r.status == "ok"]
+  fastest = max((records[i].tokens_per_s for i in ok), default=0.0)
+  close = sorted((i for i in ok if records[i].tokens_per_s >= RETIME_WITHIN * fastest),
+                 key=lambda i: -records[i].tokens_per_s)[:RETIME_MAX]
+  import jax
+  if jax.process_count() > 1:
+    import numpy as np
+    from jax.experimental import multihost_utils
+    mine = np.full(RETIME_MAX, -1, np.int32)
+    mine[:len(close)] = close
+    close = [int(i) for i in multihost_utils.broadcast_one_to_all(mine) if i >= 0]
+  return close
+
+
 def measure_all(cands: list[Candidate], steps: int) -> list[report.Record]:
   """Trains each valid candidate for 1 warm-up + `steps` timed + 1 profiled step; logs each as it finishes. Then the
   closest contenders (within RETIME_WITHIN of the fastest, at most RETIME_MAX) are trained again, in the opposite
@@ -96,12 +113,7 @@ def measure_all(cands: list[Candidate], steps: int) -> list[report.Record]:
     else:  # e.g. out of memory: this candidate does not run here
       log.info("[%d/%d] %s at %s: %s: %s", i, len(valid), cand.label, rec.length, rec.status, rec.reason)
     records.append(rec)
-  ok = [i for i, r in enumerate(records) if r.status == "ok"]
-  if not ok:
-    return records
-  fastest = max(records[i].tokens_per_s for i in ok)
-  close = sorted((i for i in ok if records[i].tokens_per_s >= RETIME_WITHIN * fastest),
-                 key=lambda i: -records[i].tokens_per_s)[:RETIME_MAX]
+  close = _close(records)
   if len(close) < 2:
     return records
   log.info("timing again the %d candidates within %.0f%% of the fastest at %s, in the opposite order: %s",
@@ -110,6 +122,8 @@ def measure_all(cands: list[Candidate], steps: int) -> list[report.Record]:
   for j, i in enumerate(sorted(close, reverse=True), 1):
     rec = records[i]
     again = measure.attempt(valid[i].case, measure.Steps(warmup=1, timed=steps, traced=1))
+    if rec.status != "ok":   # ran here only because process 0 chose it (its steps span every process)
+      continue
     if again["status"] != "ok":   # it ran once: keep that round and say why the second did not
       log.info("[again %d/%d] %s: %s: %s", j, len(close), valid[i].label, again["status"], again["reason"])
       continue

@@ -3,6 +3,7 @@ devices it measures them, ranks them by tokens/s, and writes a recipe that maxct
 
 import json
 
+import numpy as np
 import pytest
 
 from maxctx import attention
@@ -90,7 +91,7 @@ def test_close_candidates_are_timed_again_in_the_opposite_order_and_ranked_over_
   # behind is not run again.
   from maxctx.bench import measure
   first = {0: [1.0, 1.0, 1.0], 1: [1.05, 1.05, 1.05], 2: [1.1, 1.1, 1.1], 3: [1.12] * 3, 4: [2.0, 2.0, 2.0]}
-  second = {0: [1.3, 1.3, 1.3], 1: [1.0, 1.0, 1.0], 2: [1.0, 1.0, 1.0]}
+  second = {0: [1.3, 1.3, 1.3], 1: [1.0, 1.0, 1.0], 2: [1.0, 1.0, 1.0], 3: [1.0, 1.0, 1.0]}
   calls = []
 
   def run(case, steps):
@@ -112,6 +113,17 @@ def test_close_candidates_are_timed_again_in_the_opposite_order_and_ranked_over_
   assert records[1].tokens_per_s == pytest.approx(1000 / 1.025)
   # The first round's leader fell behind over both rounds: the plan is the one fastest over all its steps.
   assert [c for c, _ in plan_lib.rank(cands, records)][:4] == [cands[1], cands[2], cands[3], cands[0]]
+
+  # With several processes every one must train the same candidates (a step's collectives span them all): process
+  # 0's choice of whom to time again, whatever this process measured.
+  import jax
+  from jax.experimental import multihost_utils
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  monkeypatch.setattr(multihost_utils, "broadcast_one_to_all", lambda mine: np.array([3, 0, -1], np.int32))
+  calls.clear()
+  records = plan_lib.measure_all(cands, 3)
+  assert calls == [0, 1, 2, 3, 4, 3, 0]
+  assert [r.timed_rounds for r in records] == [2, 1, 1, 2, 1]
 
 
 def test_train_resolves_strategy_auto_logs_its_choice_and_keeps_it_on_resume(tmp_path, caplog, monkeypatch):
