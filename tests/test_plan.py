@@ -247,6 +247,9 @@ def test_when_nothing_fits_the_plan_names_the_closest_candidate_and_by_how_much(
   assert [r.over_bytes for _, r in rows] == [int(2.25 * 2**30), int(31.5 * 2**30)]
   assert plan_tables.verdict(rows).startswith(f"Nothing fits: the closest, {cands[1].label}, needs 2.2 GiB per device "
                                             "more than the 95.0 GiB of HBM")
+  assert plan_tables.verdict(rows).endswith("(--remat full,full_offload).")   # maxctx.plan's flag
+  # maxctx.compile with `auto` names the run file's key instead.
+  assert plan_tables.verdict(rows, "model.remat: full").endswith("(model.remat: full).")
 
 
 def test_mlp_chunk_is_a_candidate_where_it_splits_the_tokens_and_ties_go_to_the_chunked(tmp_path, monkeypatch):
