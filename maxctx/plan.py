@@ -2,15 +2,17 @@
 compiled and estimated for a TPU slice.
 
     python -m maxctx.plan configs/bench.yml [section.key=value ...] [--lengths 512,1k] [--remat none,full]
-        [--mlp-chunk 0,16384] [--strategies none,all_gather,ulysses,ring,usp] [--steps 3] [--out DIR]
+        [--mlp-chunk 0,16384] [--loss-chunk 0,2048] [--strategies none,all_gather,ulysses,ring,usp] [--steps 3]
+        [--out DIR]
         [--topology v5p-128 [--num-slices N] [--compile N] [--reports DIR] [--no-compile]]
 
 Candidates, for each length: every strategy at every context degree that divides the devices left by the run's data
 and tensor axes (the rest on fsdp), usp at every ulysses degree between 1 and its context degree, `none` (no context
 parallelism, context 1), each under every remat policy of `--remat` (default: the run's; `auto`: all) and with every
 MLP chunk of `--mlp-chunk` (default: the run's model.mlp_chunk and 16,384 tokens; a chunk that does not split the
-candidate's tokens per device is the unchunked MLP, tried once). `maxctx.trainer.validate` checks each; what it refuses
-is listed with its sentence.
+candidate's tokens per device is the unchunked MLP, tried once), and, with `--loss-chunk`, with every model.loss_chunk
+given (tokens per device per step of the loss's logits; default: the run's only). `maxctx.trainer.validate` checks
+each; what it refuses is listed with its sentence.
 
 Measured mode (no --topology): each valid candidate trains a few steps on the devices present
 (`maxctx.bench.measure`: the same model, data and global batch every time, so the candidates differ only in how they
@@ -57,7 +59,7 @@ from maxctx.bench import plan as cases_lib
 from maxctx.bench import report
 from maxctx.config import Config
 from maxctx.errors import ArgumentParser, ConfigError, exit_code
-from maxctx.plan_candidates import AUTO, MLP_CHUNK, REMATS, Candidate, candidates
+from maxctx.plan_candidates import MLP_CHUNK, REMATS, Candidate, candidates, loss_chunks_of, mlp_chunks_of, remats_of
 from maxctx.plan_tables import chosen
 
 log = logging.getLogger("maxctx.plan")
@@ -258,6 +260,8 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--mlp-chunk", help=f"comma-separated model.mlp_chunk values to try, tokens per MLP step, 0 for "
                                      f"all at once (default: the run's and {MLP_CHUNK}); one that does not split a "
                                      "candidate's tokens per device is the same as 0")
+  p.add_argument("--loss-chunk", help="comma-separated model.loss_chunk values to try, tokens per device per step of "
+                                      "the loss's logits (default: the run's only)")
   p.add_argument("--steps", type=int, default=3, help="timed steps per candidate after one warm-up (default 3)")
   p.add_argument("--out", help="output directory (default <run.output_dir>/plan, or plan-<topology> with --topology)")
   p.add_argument("--topology", help="plan for this TPU slice (e.g. v5p-128, tpu7x-128) without running: each "
@@ -273,36 +277,13 @@ def _parser() -> argparse.ArgumentParser:
   return p
 
 
-def _remats(text: str | None, config: Config) -> list[str]:
-  names = [s.strip() for s in (text or config.model.remat).split(",") if s.strip()]
-  names = [r for name in names for r in (REMATS if name == AUTO else [name])]
-  for name in names:
-    if name not in REMATS:
-      raise ConfigError(f"--remat has {name!r}, which is not a remat policy; choose from {', '.join(REMATS)}.")
-  if not names:
-    raise ConfigError(f"--remat is empty; name at least one of {', '.join(REMATS)}.")
-  return list(dict.fromkeys(names))
-
-
-def _mlp_chunks(text: str | None, config: Config) -> list[int]:
-  if text is None:
-    return list(dict.fromkeys([config.model.mlp_chunk, MLP_CHUNK]))
-  try:
-    values = [int(s) for s in text.split(",") if s.strip()]
-  except ValueError:
-    values = [-1]
-  if not values or min(values) < 0:
-    raise ConfigError(f"--mlp-chunk is {text!r}; give comma-separated token counts, 0 for the MLP unchunked "
-                      f"(e.g. 0,{MLP_CHUNK}).")
-  return list(dict.fromkeys(values))
-
-
 def run(args: argparse.Namespace) -> int:
   config = config_lib.load(args.config, args.overrides)
   strategies = cases_lib.parse_strategies(args.strategies)
   lengths = cases_lib.lengths(args.lengths) if args.lengths else [config.data.seq_len]
-  remats = _remats(args.remat, config)
-  chunks = _mlp_chunks(args.mlp_chunk, config)
+  remats = remats_of(args.remat, config)
+  chunks = mlp_chunks_of(args.mlp_chunk, config)
+  losses = loss_chunks_of(args.loss_chunk)
   if args.steps < 1:
     raise ConfigError(f"--steps is {args.steps}; time at least one step per candidate.")
   if args.compile < 0:
@@ -322,7 +303,7 @@ def run(args: argparse.Namespace) -> int:
     n, slices, platform, steps = len(jax.devices()), mesh_lib.num_slices_of(jax.devices()), None, args.steps + 2
     where = f"{n} {jax.default_backend().upper()} devices"
   by_length = {s: candidates(config, strategies, s, remats, n, slices, steps=steps, platform=platform,
-                             chunks=chunks)
+                             chunks=chunks, loss_chunks=losses)
                for s in lengths}
   valid = sum(c.case.config is not None for cs in by_length.values() for c in cs)
   if not valid:
@@ -340,7 +321,8 @@ def run(args: argparse.Namespace) -> int:
              if args.topology else measure_all(cands, args.steps))
     ranked[seq_len] = rank(cands, found)
     records += [{"candidate": c.label, "context": c.context, "ulysses": c.ulysses, "remat": c.remat,
-                 "mlp_chunk": c.mlp_chunk, "rank": i if chosen(r) else None, **r.to_json()}
+                 "mlp_chunk": c.mlp_chunk, "loss_chunk": c.case.config.model.loss_chunk if c.case.config else None,
+                 "rank": i if chosen(r) else None, **r.to_json()}
                 for i, (c, r) in enumerate(ranked[seq_len], 1)]
   written = []
   for seq_len, rows in ranked.items():

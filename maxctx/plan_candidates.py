@@ -1,6 +1,7 @@
-"""What the planner tries: a candidate is a strategy, its context (and ulysses) degree, a remat policy and an MLP
-chunk, with the config `maxctx.trainer.validate` checked (or its refusal); `candidates` lists every one for a length.
-maxctx.plan measures or estimates them, maxctx.plan_auto resolves `auto` with them."""
+"""What the planner tries: a candidate is a strategy, its context (and ulysses) degree, a remat policy, an MLP chunk
+and (where the plan varies it) a loss chunk, with the config `maxctx.trainer.validate` checked (or its refusal);
+`candidates` lists every one for a length, and `remats_of`, `mlp_chunks_of` and `loss_chunks_of` read maxctx.plan's
+flags. maxctx.plan measures or estimates them, maxctx.plan_auto resolves `auto` with them."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any
 from maxctx import mesh as mesh_lib
 from maxctx.bench import plan as cases_lib
 from maxctx.config import MESH_AXES, Config, ModelConfig
+from maxctx.errors import ConfigError
 
 AUTO = "auto"   # model.remat: auto asks the planner to try every policy
 REMATS = tuple(r for r in typing.get_args(typing.get_type_hints(ModelConfig)["remat"]) if r != AUTO)   # the policies
@@ -26,21 +28,23 @@ class Candidate:
   remat: str
   mlp_chunk: int                  # model.mlp_chunk: tokens per MLP step, 0 = all of the device's at once
   case: cases_lib.Case            # the validated config (or the refusal) at one length
+  loss_chunk: int | None = None   # model.loss_chunk where the plan varies it (in the label); None: the run's
 
   @property
   def label(self) -> str:
     u = f" u={self.ulysses}" if self.ulysses else ""
     chunk = f" mlp_chunk={self.mlp_chunk}" if self.mlp_chunk else ""
-    return f"{self.strategy} c={self.context}{u} remat={self.remat}{chunk}"
+    loss = "" if self.loss_chunk is None else f" loss_chunk={self.loss_chunk}"
+    return f"{self.strategy} c={self.context}{u} remat={self.remat}{chunk}{loss}"
 
   @property
   def overrides(self) -> dict[str, Any]:
     """The run-file keys this candidate sets: strategy, ulysses degree, the mesh's ICI and DCN sizes, remat, MLP
-    chunk."""
+    chunk and loss chunk."""
     c = self.case.config
     out: dict[str, Any] = {"attention.strategy": c.attention.strategy,
                            "attention.ulysses_degree": c.attention.ulysses_degree, "model.remat": c.model.remat,
-                           "model.mlp_chunk": c.model.mlp_chunk}
+                           "model.mlp_chunk": c.model.mlp_chunk, "model.loss_chunk": c.model.loss_chunk}
     for level in ("ici", "dcn"):
       out.update({f"mesh.{level}.{a}": getattr(getattr(c.mesh, level), a) for a in MESH_AXES})
     return out
@@ -61,12 +65,21 @@ def mlp_chunks(wanted: list[int], local: int) -> list[int]:
   return list(dict.fromkeys(c if 0 < c < local else 0 for c in wanted))
 
 
+def loss_chunks_for(wanted: list[int], local: int) -> list[int]:
+  """The loss chunks of `wanted` that differ for `local` tokens per device: the loss always runs in steps, and one
+  of `local` tokens or more is a single step of all of them, tried once, as `local`."""
+  return list(dict.fromkeys(min(c, local) for c in wanted))
+
+
 def candidates(base: Config, strategies: list[str], seq_len: int, remats: list[str], num_devices: int,
                num_slices: int = 1, steps: int | None = None, platform: str | None = None,
-               chunks: list[int] | None = None) -> list[Candidate]:
-  """Every candidate at `seq_len`, valid or refused, in a fixed order (strategy, context, ulysses, remat, MLP chunk);
-  `chunks` are the model.mlp_chunk values to try (default: the run's)."""
+               chunks: list[int] | None = None, loss_chunks: list[int] | None = None) -> list[Candidate]:
+  """Every candidate at `seq_len`, valid or refused, in a fixed order (strategy, context, ulysses, remat, MLP chunk,
+  loss chunk); `chunks` are the model.mlp_chunk values to try (default: the run's), `loss_chunks` the model.loss_chunk
+  values (default: the run's, and then not in the candidates' labels)."""
   chunks = [base.model.mlp_chunk] if chunks is None else chunks
+  varied = loss_chunks is not None
+  wanted_losses = [base.model.loss_chunk] if loss_chunks is None else loss_chunks
   if base.mesh.ici.data > 0 and base.mesh.ici.tensor > 0:
     # Only data and tensor are kept from the run file: its fsdp × context may be for another number of devices.
     base = base.replace(**{"mesh.ici.fsdp": -1, "mesh.ici.context": 1})
@@ -80,10 +93,52 @@ def candidates(base: Config, strategies: list[str], seq_len: int, remats: list[s
       # `none` puts the DCN context on fsdp too (cases_lib.configure): its one sequence is whole on each device.
       total = 1 if strategy == cases_lib.NONE else context * dcn["context"]
       for u in ulysses:
-        for remat, chunk in itertools.product(remats, mlp_chunks(chunks, seq_len // total)):
-          config = base.replace(**{"model.remat": remat, "model.mlp_chunk": chunk, "attention.ulysses_degree": u,
-                                   "mesh.ici.context": context, "mesh.ici.fsdp": free // context})
+        local = seq_len // total
+        for remat, chunk, loss in itertools.product(remats, mlp_chunks(chunks, local),
+                                                    loss_chunks_for(wanted_losses, local) if varied else wanted_losses):
+          config = base.replace(**{"model.remat": remat, "model.mlp_chunk": chunk, "model.loss_chunk": loss,
+                                   "attention.ulysses_degree": u, "mesh.ici.context": context,
+                                   "mesh.ici.fsdp": free // context})
           case = cases_lib.configure(config, strategy, seq_len, num_devices, num_slices, steps=steps,
                                      platform=platform)
-          out.append(Candidate(strategy, total, u, remat, chunk, case))
+          out.append(Candidate(strategy, total, u, remat, chunk, case, loss if varied else None))
   return out
+
+
+# What maxctx.plan's flags ask to try.
+
+def remats_of(text: str | None, config: Config) -> list[str]:
+  """--remat: policies, `auto` for all of them (default: the run's)."""
+  names = [s.strip() for s in (text or config.model.remat).split(",") if s.strip()]
+  names = [r for name in names for r in (REMATS if name == AUTO else [name])]
+  for name in names:
+    if name not in REMATS:
+      raise ConfigError(f"--remat has {name!r}, which is not a remat policy; choose from {', '.join(REMATS)}.")
+  if not names:
+    raise ConfigError(f"--remat is empty; name at least one of {', '.join(REMATS)}.")
+  return list(dict.fromkeys(names))
+
+
+def mlp_chunks_of(text: str | None, config: Config) -> list[int]:
+  """--mlp-chunk (default: the run's and MLP_CHUNK)."""
+  if text is None:
+    return list(dict.fromkeys([config.model.mlp_chunk, MLP_CHUNK]))
+  return _token_counts(text, "--mlp-chunk", f"of at least 0, 0 for the MLP unchunked (e.g. 0,{MLP_CHUNK})")
+
+
+def loss_chunks_of(text: str | None) -> list[int] | None:
+  """--loss-chunk (default None: the run's, not varied)."""
+  if text is None:
+    return None
+  return _token_counts(text, "--loss-chunk", "of at least 1 (e.g. 1024,2048; one of a device's tokens or more is "
+                       "the loss in one step)", least=1)
+
+
+def _token_counts(text: str, flag: str, example: str, least: int = 0) -> list[int]:
+  try:
+    values = [int(s) for s in text.split(",") if s.strip()]
+  except ValueError:
+    values = [least - 1]
+  if not values or min(values) < least:
+    raise ConfigError(f"{flag} is {text!r}; give comma-separated token counts {example}.")
+  return list(dict.fromkeys(values))

@@ -27,7 +27,7 @@ def test_candidates_cover_every_split_and_refuse_with_validates_sentence():
   none = labels["none c=1 remat=none"].case.config
   assert (none.mesh.ici.context, none.mesh.ici.fsdp, none.attention.strategy) == (1, 8, "all_gather")
   with pytest.raises(ConfigError, match="not a remat policy"):
-    plan_lib._remats("none,fulll", base)
+    plan_candidates.remats_of("none,fulll", base)
 
 
 def test_measured_plan_picks_the_fastest_and_its_recipe_trains_as_is(tmp_path):
@@ -259,9 +259,9 @@ def test_mlp_chunk_is_a_candidate_where_it_splits_the_tokens_and_ties_go_to_the_
   from maxctx import topology as topology_lib
   from maxctx.bench import aot
   config = config_lib.load("configs/recipes/llama3.1-8b-14m-ring-tpu7x-128.yml", ["model.mlp_chunk=0"])
-  chunks = plan_lib._mlp_chunks(None, config)
+  chunks = plan_candidates.mlp_chunks_of(None, config)
   assert chunks == [0, plan_lib.MLP_CHUNK]   # the run's, and the plan's own
-  assert plan_lib._mlp_chunks(None, config.replace(**{"model.mlp_chunk": 16384})) == [16384]   # once
+  assert plan_candidates.mlp_chunks_of(None, config.replace(**{"model.mlp_chunk": 16384})) == [16384]   # once
   cands = [c for c in plan_lib.candidates(config, ["ring"], 14 * 2**20, ["save_attention_out"], 128, platform="tpu",
                                           chunks=chunks) if c.context == 128]
   assert [c.label for c in cands] == ["ring c=128 remat=save_attention_out",
@@ -301,7 +301,38 @@ def test_mlp_chunk_is_a_candidate_where_it_splits_the_tokens_and_ties_go_to_the_
                                                        cands[1], ["model.mlp_chunk=0"]))
   assert config_lib.load(tmp_path / "recipe.yml").model.mlp_chunk == 16384
   with pytest.raises(ConfigError, match="--mlp-chunk"):
-    plan_lib._mlp_chunks("0,-5", config)
+    plan_candidates.mlp_chunks_of("0,-5", config)
+
+
+def test_loss_chunk_is_a_candidate_dimension_when_asked():
+  # Issue 18 names model.loss_chunk as a dimension of the plan: `--loss-chunk` varies it (and the labels say so);
+  # without the flag every candidate keeps the run's. Llama 3.1 8B at 14M tokens on tpu7x-128, without compiling.
+  from maxctx import plan_model
+  from maxctx import topology as topology_lib
+  config = config_lib.load("configs/recipes/llama3.1-8b-14m-ring-tpu7x-128.yml")
+  assert plan_candidates.loss_chunks_of(None) is None and plan_candidates.loss_chunks_of("512,2048,512") == [512, 2048]
+  for bad in ("2k", "0,2048"):   # the loss always runs in steps: a chunk of 0 tokens is no chunk
+    with pytest.raises(ConfigError, match=f"--loss-chunk is '{bad}'; give comma-separated token counts of at least 1"):
+      plan_candidates.loss_chunks_of(bad)
+  length = 14 * 2**20
+
+  def ring128(**kw):
+    return [c for c in plan_lib.candidates(config, ["ring"], length, ["full"], 128, platform="tpu", **kw)
+            if c.context == 128]
+
+  plain = ring128()
+  assert [c.label for c in plain] == ["ring c=128 remat=full mlp_chunk=16384"]
+  assert plain[0].case.config.model.loss_chunk == 2048
+  varied = ring128(loss_chunks=[2**20, 2048])
+  # A chunk of a device's 114,688 tokens or more is the loss in one step: tried once, as that.
+  assert [c.label for c in varied] == ["ring c=128 remat=full mlp_chunk=16384 loss_chunk=114688",
+                                       "ring c=128 remat=full mlp_chunk=16384 loss_chunk=2048"]
+  assert varied[0].overrides["model.loss_chunk"] == 114_688 and varied[1].case.config.model.loss_chunk == 2048
+  assert [c.loss_chunk for c in ring128(loss_chunks=[2**20, 114_688])] == [114_688]
+  # The model: the float32 logits of 2,048 tokens at a time instead of all of a device's, for the same step time.
+  topo = topology_lib.resolve("tpu7x-128")
+  whole, chunked = (plan_model.estimate(c.case.config, {"context": 128}, topo) for c in varied)
+  assert chunked.step_s == whole.step_s and whole.total - chunked.total > 2 * (114_688 - 2048) * 128_256 * 4 * 0.99
 
 
 @pytest.mark.usefixtures("users_matmul_precision")   # compiles for a TPU: see tests/conftest.py
