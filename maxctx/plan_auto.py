@@ -140,7 +140,8 @@ def resolve_for_slice(config: Config, out: pathlib.Path) -> tuple[Config, Compil
            len(valid), len(cands) - len(valid), topo.name, AUTO_COMPILES, out)
   ranked = plan_lib.rank(cands, plan_lib.estimate_all(cands, n, slices, out, [], True, AUTO_COMPILES))
   if not plan_tables.chosen(ranked[0][1]):
-    keeps_less = "model.remat: full or full_offload in the run file"   # not maxctx.plan's --remat
+    # Not maxctx.plan's --remat; and nothing to suggest where `model.remat: auto` tried every policy.
+    keeps_less = None if REMAT in planned_keys(config) else "model.remat: full or full_offload in the run file"
     raise ConfigError(f"{what} on {topo.name}: {plan_tables.verdict(ranked, keeps_less)}")
   best = ranked[0][0]
   log.info("%s: %s", what, plan_tables.verdict(ranked).replace("**", ""))

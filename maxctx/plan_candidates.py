@@ -1,7 +1,7 @@
 """What the planner tries: a candidate is a strategy, its context (and ulysses) degree, a remat policy, an MLP chunk
 and (where the plan varies it) a loss chunk, with the config `maxctx.trainer.validate` checked (or its refusal);
-`candidates` lists every one for a length, and `remats_of`, `mlp_chunks_of` and `loss_chunks_of` read maxctx.plan's
-flags. maxctx.plan measures or estimates them, maxctx.plan_auto resolves `auto` with them."""
+`candidates` lists every one for a length, and `remat_flag`, `mlp_chunk_flag` and `loss_chunk_flag` read
+maxctx.plan's flags. maxctx.plan measures or estimates them, maxctx.plan_auto resolves `auto` with them."""
 
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ def _divisors(n: int) -> list[int]:
 MLP_CHUNK = 16384
 
 
-def mlp_chunks(wanted: list[int], local: int) -> list[int]:
+def mlp_chunks_for(wanted: list[int], local: int) -> list[int]:
   """The MLP chunks of `wanted` that differ for `local` tokens per device, as they run: one that does not split them
   (≥ local) runs the MLP unchunked, so it is tried once, as 0."""
   return list(dict.fromkeys(c if 0 < c < local else 0 for c in wanted))
@@ -94,7 +94,7 @@ def candidates(base: Config, strategies: list[str], seq_len: int, remats: list[s
       total = 1 if strategy == cases_lib.NONE else context * dcn["context"]
       for u in ulysses:
         local = seq_len // total
-        for remat, chunk, loss in itertools.product(remats, mlp_chunks(chunks, local),
+        for remat, chunk, loss in itertools.product(remats, mlp_chunks_for(chunks, local),
                                                     loss_chunks_for(wanted_losses, local) if varied else wanted_losses):
           config = base.replace(**{"model.remat": remat, "model.mlp_chunk": chunk, "model.loss_chunk": loss,
                                    "attention.ulysses_degree": u, "mesh.ici.context": context,
@@ -107,7 +107,7 @@ def candidates(base: Config, strategies: list[str], seq_len: int, remats: list[s
 
 # What maxctx.plan's flags ask to try.
 
-def remats_of(text: str | None, config: Config) -> list[str]:
+def remat_flag(text: str | None, config: Config) -> list[str]:
   """--remat: policies, `auto` for all of them (default: the run's)."""
   names = [s.strip() for s in (text or config.model.remat).split(",") if s.strip()]
   names = [r for name in names for r in (REMATS if name == AUTO else [name])]
@@ -119,14 +119,14 @@ def remats_of(text: str | None, config: Config) -> list[str]:
   return list(dict.fromkeys(names))
 
 
-def mlp_chunks_of(text: str | None, config: Config) -> list[int]:
+def mlp_chunk_flag(text: str | None, config: Config) -> list[int]:
   """--mlp-chunk (default: the run's and MLP_CHUNK)."""
   if text is None:
     return list(dict.fromkeys([config.model.mlp_chunk, MLP_CHUNK]))
   return _token_counts(text, "--mlp-chunk", f"of at least 0, 0 for the MLP unchunked (e.g. 0,{MLP_CHUNK})")
 
 
-def loss_chunks_of(text: str | None) -> list[int] | None:
+def loss_chunk_flag(text: str | None) -> list[int] | None:
   """--loss-chunk (default None: the run's, not varied)."""
   if text is None:
     return None

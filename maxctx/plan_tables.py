@@ -99,9 +99,9 @@ def _per_vm(r) -> str:
   return f"{r.host_per_host_bytes / 2**30:,.1f}{ram}"
 
 
-def verdict(rows: Rows, keeps_less: str = "--remat full,full_offload") -> str:
+def verdict(rows: Rows, keeps_less: str | None = "--remat full,full_offload") -> str:
   """The one sentence that says what a length's plan is, or, when nothing fits, what came closest; `keeps_less` is how
-  the reader asks for remat policies that keep less (maxctx.plan's flag by default)."""
+  the reader asks for remat policies that keep less (maxctx.plan's flag by default; None where all were tried)."""
   fits = [(c, r) for c, r in rows if chosen(r)]
   if fits:
     (best, r), runner = fits[0], fits[1:2]
@@ -119,8 +119,9 @@ def verdict(rows: Rows, keeps_less: str = "--remat full,full_offload") -> str:
   if over and over[0][1].over_bytes:
     c, r = over[0]
     return (f"Nothing fits: the closest, {c.label}, needs {r.over_bytes / 2**30:.1f} GiB per device more than "
-            f"the {r.hbm_per_device_bytes / 2**30:.1f} GiB of HBM; try more devices, a shorter length, or a "
-            f"remat policy that keeps less ({keeps_less}).")
+            f"the {r.hbm_per_device_bytes / 2**30:.1f} GiB of HBM; try more devices"
+            + (f", a shorter length, or a remat policy that keeps less ({keeps_less})." if keeps_less else
+               " or a shorter length."))
   expected = [(c, r) for c, r in rows if r.status == "missing" and r.model_memory_total and r.hbm_per_device_bytes
               and r.model_memory_total > r.hbm_per_device_bytes]
   if expected:
