@@ -5,12 +5,12 @@
 
 Runs, each as its own process, one after the other:
   1. python -m maxctx.plan CONFIG --lengths L --out OUT/plan                (measured mode: every candidate timed)
-  2. python -m maxctx.bench CONFIG --lengths L --out OUT/bench              (the sweep: each strategy on the run's mesh)
-  3. for each length whose plan is not one of the sweep's cases (another context degree, or usp):
-     python -m maxctx.bench OUT/plan/recipe-<L>.yml --strategies S --lengths L --out OUT/pick-<L>
-Then prints, per length, the plan's pick, its tokens/s in the bench runs, the best tokens/s of the bench runs, their
-ratio and whether it is within 15%, and writes OUT/summary.json. With --reuse, a step whose output exists is not run
-again. On fake CPU devices timings rank overheads on this host, not accelerator speed, and move between runs (README).
+  2. python -m maxctx.bench CONFIG --lengths L --rounds 3 --steps 2 --also OUT/plan/recipe-<L>.yml ... --out OUT/bench
+     (the sweep: each strategy on the run's mesh, and each length's pick as its recipe stands; a length's runs are
+     timed in 3 turns, every other turn in the opposite order, so the pick and the sweep's cases meet the same host)
+Then prints, per length, the plan's pick, its tokens/s in the sweep, the best tokens/s of the sweep, their ratio and
+whether it is within 15%, and writes OUT/summary.json. With --reuse, a step whose output exists is not run again.
+On fake CPU devices timings rank overheads on this host, not accelerator speed, and move between runs (README).
 """
 
 from __future__ import annotations
@@ -55,24 +55,20 @@ def main(argv: list[str] | None = None) -> int:
     return 2
   out = pathlib.Path(args.out)
   _run(["maxctx.plan", args.config, "--lengths", args.lengths], out / "plan", args.reuse)
-  _run(["maxctx.bench", args.config, "--lengths", args.lengths], out / "bench", args.reuse)
-  sweep = [r for r in _records(out / "bench" / "results.jsonl") if r.get("status") == "ok"]
   picks = [r for r in _records(out / "plan" / "plan.jsonl") if r.get("rank") == 1]
+  recipes = {p["length"]: out / "plan" / (f"recipe-{p['length']}.yml" if len(picks) > 1 else "recipe.yml")
+             for p in picks}
+  also = [arg for path in recipes.values() for arg in ("--also", str(path))]
+  _run(["maxctx.bench", args.config, "--lengths", args.lengths, "--rounds", "3", "--steps", "2", *also],
+       out / "bench", args.reuse)
+  sweep = [r for r in _records(out / "bench" / "results.jsonl") if r.get("status") == "ok"]
   rows = []
   for pick in picks:
     length = pick["length"]
     runs = [r for r in sweep if r["length"] == length]
-    # The same strategy on the same mesh (usp's ulysses degree the sweep leaves to the strategy, so a usp plan is
-    # benched on its own, as is any plan on another mesh).
-    same = [r for r in runs if r["strategy"] == pick["strategy"] != "usp" and r["mesh"] == pick["mesh"]]
+    name = f"{yaml.safe_load(recipes[length].read_text())['attention']['strategy']}_{recipes[length].stem}"
+    same = [r for r in runs if r["strategy"] == name]
     if not same:
-      recipe = out / "plan" / (f"recipe-{length}.yml" if len(picks) > 1 else "recipe.yml")
-      strategy = yaml.safe_load(recipe.read_text())["attention"]["strategy"]
-      _run(["maxctx.bench", str(recipe), "--strategies", strategy, "--lengths", length], out / f"pick-{length}",
-           args.reuse)
-      same = [r for r in _records(out / f"pick-{length}" / "results.jsonl") if r.get("status") == "ok"]
-      runs = runs + same
-    if not same or not runs:
       print(f"{length}: the plan's candidate did not run in maxctx.bench", file=sys.stderr)
       return 1
     best = max(runs, key=lambda r: r["tokens_per_s"])

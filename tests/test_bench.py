@@ -6,7 +6,9 @@ import dataclasses
 import importlib.util
 import json
 
+import jax
 import pytest
+import yaml
 
 from maxctx import compile as compile_lib
 from maxctx import config as config_lib
@@ -16,7 +18,8 @@ from maxctx import topology
 from maxctx import trainer as trainer_lib
 from maxctx.bench import __main__ as bench_main
 from maxctx import hlo
-from maxctx.bench import plan, report, roofline
+from maxctx.bench import measure, plan, report, roofline
+from maxctx.errors import ConfigError
 
 needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
                                   reason="libtpu is not installed (pip install -e '.[tpu]'); it compiles for TPUs")
@@ -59,6 +62,59 @@ def test_cpu_slice_writes_files_and_losses_agree(tmp_path):
     rows = config.data.batch_size // (r["mesh"]["data"] * r["mesh"]["fsdp"])
     modelled = attention.get("ring").traffic(problem, rows, config.model.head_dim, 4).step(config.model.n_layers)
     assert modelled == r["collective_bytes"]["bytes_attention"], (modelled, r["collective_bytes"])
+
+
+def test_rounds_time_a_lengths_runs_in_turns_and_also_adds_a_run_file_as_it_stands(tmp_path):
+  # Issue 18, acceptance 2: a pick from maxctx.plan is compared with the sweep in the same turns (--also, --rounds),
+  # so a host whose speed drifts slows them alike. The run file runs its own strategy and mesh at its own length.
+  recipe = yaml.safe_load(open("configs/bench.yml"))
+  recipe["attention"]["strategy"], recipe["data"]["seq_len"] = "ring", 128
+  (tmp_path / "pick-128.yml").write_text(yaml.safe_dump(recipe))
+  rc = bench_main.main(["configs/bench.yml", "--strategies", "none", "--lengths", "128", "--steps", "1", "--rounds",
+                        "2", "--also", str(tmp_path / "pick-128.yml"), "--out", str(tmp_path / "out")])
+  assert rc == 0
+  records = _records(tmp_path / "out")
+  assert [(r["strategy"], r["seq_len"], r["status"]) for r in records] == [("none", 128, "ok"),
+                                                                          ("ring_pick-128", 128, "ok")]
+  assert records[1]["mesh"]["context"] == 4 and records[1]["collective_bytes"]["bytes_attention"]["collective-permute"]
+  for r in records:
+    assert r["timed_rounds"] == 2 and len(r["step_times_s"]) == 2 and len(r["losses"]) == 1 + 2 + 1
+  assert abs(records[0]["loss"] - records[1]["loss"]) <= 1e-4
+  assert "2 × 1 (each length's runs held at once" in (tmp_path / "out" / "results.md").read_text()
+  for bad, says in ((["--rounds", "0"], "--rounds 0 must all be at least 1"),
+                    (["--rounds", "2", "--topology", "v5p-8"], "drop one")):
+    with pytest.raises(ConfigError, match=says):
+      bench_main.run(bench_main._parser().parse_args(["configs/bench.yml", *bad, "--out", str(tmp_path / "x")]))
+  assert not (tmp_path / "x").exists()
+
+
+def test_rounds_alternate_the_order_and_a_run_that_fails_leaves_the_others_timing(monkeypatch):
+  # measure.attempt_all with rounds > 1: every run is built (compiled, warmed up) first, then timed in turns, every
+  # other turn backwards; a run that fails in a turn is that run's record and the rest go on.
+  calls = []
+
+  class Run:
+    def __init__(self, case, steps):
+      if case == "refused":
+        raise ConfigError("block_q 100 does not divide 128.")
+      self.case = case
+      calls.append(("built", case))
+
+    def timed(self, n):
+      calls.append((self.case, n))
+      if self.case == "oom" and calls.count(("oom", n)) == 2:
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory\nmore")
+
+    def finish(self, steps, rounds, held):
+      return {"step_time_s": 1.0, "timed_rounds": rounds, "peak_runtime_note": f"{held} held"}
+
+  monkeypatch.setattr(measure, "_Run", Run)
+  out = measure.attempt_all(["a", "refused", "oom", "b"], measure.Steps(timed=2), rounds=3)
+  assert calls == [("built", "a"), ("built", "oom"), ("built", "b"), ("a", 2), ("oom", 2), ("b", 2),
+                   ("b", 2), ("oom", 2), ("a", 2), ("a", 2), ("b", 2)]
+  assert out[1] == {"status": "refused", "reason": "block_q 100 does not divide 128."}
+  assert out[2] == {"status": "failed", "reason": "RESOURCE_EXHAUSTED: Out of memory"}
+  assert out[0] == out[3] == {"status": "ok", "step_time_s": 1.0, "timed_rounds": 3, "peak_runtime_note": "3 held"}
 
 
 def test_a_strategy_that_cannot_run_is_refused_with_validates_sentence():
@@ -188,6 +244,6 @@ def test_loss_spread_only_compares_runs_that_ran():
 
 
 def test_a_record_refuses_a_field_it_does_not_have():
-  # measure.run and aot.record fill records by name; a misspelt name must fail, not vanish into the JSON.
+  # measure.attempt and aot.record fill records by name; a misspelt name must fail, not vanish into the JSON.
   with pytest.raises(TypeError, match="no field 'tokens_per_sec'"):
     report.Record("ring", 8, "8").set(tokens_per_sec=1.0)

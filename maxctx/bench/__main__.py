@@ -1,7 +1,7 @@
 """Strategy benchmark: tokens/s, peak memory and communication share per CP strategy and sequence length.
 
     python -m maxctx.bench configs/bench.yml [section.key=value ...] [--strategies none,all_gather,ulysses,ring,usp]
-        [--lengths 256,512,1k,2k] [--steps 3] [--context 4] [--out DIR]
+        [--lengths 256,512,1k,2k] [--steps 3] [--rounds 1] [--context 4] [--also RUN_FILE ...] [--out DIR]
     python -m maxctx.bench configs/recipes/llama3.1-8b-14m-ring-tpu7x-128.yml --topology tpu7x-128 \\
         --lengths 1m,4m,14m [--reports runs/compile] [--no-compile] [--out DIR]
 
@@ -9,11 +9,14 @@ Without --topology it trains each strategy × length for a few steps on the devi
 global batch every time) and measures; with --topology nothing runs: each configuration is compiled for that TPU slice
 and estimated (maxctx.bench.aot, maxctx.bench.roofline). Writes results.jsonl, results.md, tokens_per_s.png,
 memory.png, comm_share.png and tensorboard/ (scalars under bench/) to --out (default <run.output_dir>/bench[-TOPOLOGY]).
+--also adds a run file as it stands (its strategy, mesh and memory policy, at its own data.seq_len) beside the sweep's
+cases, e.g. a recipe from maxctx.plan; with --rounds it is timed in the same turns as the sweep's cases of its length.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import pathlib
 import sys
@@ -41,6 +44,12 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--lengths", help=f"comma-separated tokens per sequence, k = 2^10, m = 2^20 (default "
                                    f"{DEFAULT_LENGTHS}; with --topology {DEFAULT_TOPOLOGY_LENGTHS})")
   p.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step (default 3)")
+  p.add_argument("--rounds", type=int, default=1,
+                 help="time each length's runs in this many turns of --steps steps, every other turn in the opposite "
+                      "order, all of that length's runs held at once: steadier ranks where the host's speed drifts "
+                      "(fake CPU devices); default 1, each run whole before the next")
+  p.add_argument("--also", action="append", default=[], metavar="RUN_FILE",
+                 help="also run this run file as it stands, at its own data.seq_len (repeatable)")
   p.add_argument("--trace-steps", type=int, default=1, help="profiled steps after the timed ones (default 1)")
   p.add_argument("--context", type=int, help="context degree of the CP strategies (default: the config's)")
   p.add_argument("--out", help="output directory (default <run.output_dir>/bench, or bench-<topology>)")
@@ -72,25 +81,55 @@ def _model_line(config: config_lib.Config) -> str:
           f"load_balance {str(config.attention.load_balance).lower()}")
 
 
+def _by_length(cases: list[plan_lib.Case]) -> list[list[int]]:
+  """The cases' indices grouped by sequence length, lengths in the order they first appear."""
+  groups: dict[int, list[int]] = {}
+  for i, case in enumerate(cases):
+    groups.setdefault(case.seq_len, []).append(i)
+  return list(groups.values())
+
+
+def _timed(args: argparse.Namespace) -> str:
+  if args.rounds == 1:
+    return str(args.steps)
+  return (f"{args.rounds} × {args.steps} (each length's runs held at once and timed in {args.rounds} turns, every "
+          "other turn in the opposite order)")
+
+
+def also_cases(args: argparse.Namespace, n: int, slices: int, steps: int, platform: str | None) -> list[plan_lib.Case]:
+  """The --also run files as cases: each as it stands, at its own length, named `<strategy>_<file stem>`."""
+  cases = []
+  for path in args.also:
+    config = config_lib.load(path, args.overrides)
+    if args.topology:
+      config = config.replace(**{"compile.topology": args.topology, "compile.num_slices": args.num_slices})
+    case = plan_lib.configure(config, config.attention.strategy, config.data.seq_len, n, slices, None, steps, platform)
+    cases.append(dataclasses.replace(case, strategy=f"{config.attention.strategy}_{pathlib.Path(path).stem}"))
+  return cases
+
+
 def measure_all(config, cases, args) -> tuple[list[report.Record], str, str]:
   import jax
   from maxctx.bench import measure
   steps = measure.Steps(warmup=1, timed=args.steps, traced=args.trace_steps)
-  records = []
-  for i, case in enumerate(cases, 1):
-    rec = _base_record(case)
-    if case.config is not None:
-      rec.set(**measure.attempt(case, steps))
-    records.append(rec)
-    if rec.status == "ok":
-      log.info("[%d/%d] %s %s: %s tokens/s, step %.3f s, CP comm %.1f%%, loss %.6f", i, len(cases), case.strategy,
-               rec.length, f"{rec.tokens_per_s:,.0f}", rec.step_time_s, 100 * rec.comm_share, rec.loss)
-    else:
-      log.info("[%d/%d] %s %s: %s: %s", i, len(cases), case.strategy, rec.length, rec.status, rec.reason)
+  records = [_base_record(case) for case in cases]
+  # One case at a time, or with --rounds each length's cases together; each logged as soon as it is measured.
+  for group in ([[i] for i in range(len(cases))] if args.rounds == 1 else _by_length(cases)):
+    runnable = [i for i in group if cases[i].config is not None]
+    for i, result in zip(runnable, measure.attempt_all([cases[i] for i in runnable], steps, args.rounds)):
+      records[i].set(**result)
+    for i in group:
+      case, rec = cases[i], records[i]
+      if rec.status == "ok":
+        log.info("[%d/%d] %s %s: %s tokens/s, step %.3f s, CP comm %.1f%%, loss %.6f", i + 1, len(cases),
+                 case.strategy, rec.length, f"{rec.tokens_per_s:,.0f}", rec.step_time_s, 100 * rec.comm_share,
+                 rec.loss)
+      else:
+        log.info("[%d/%d] %s %s: %s: %s", i + 1, len(cases), case.strategy, rec.length, rec.status, rec.reason)
   devices = jax.devices()
   where = f"{config.model.preset or 'model'}, {len(devices)} {devices[0].platform.upper()} devices"
   setup = (f"Measured on {len(devices)} {devices[0].device_kind} devices ({jax.default_backend()}); "
-           f"{_model_line(config)}; 1 warm-up + {args.steps} timed steps (median) + {args.trace_steps} profiled.")
+           f"{_model_line(config)}; 1 warm-up + {_timed(args)} timed steps (median) + {args.trace_steps} profiled.")
   if jax.default_backend() == "cpu":
     setup += (" Fake CPU devices share the host's cores, so this ranks the strategies' overheads, not accelerator "
               "speed.")
@@ -134,8 +173,11 @@ def run(args: argparse.Namespace) -> int:
     config = config.replace(**{"compile.topology": args.topology, "compile.num_slices": args.num_slices})
   strategies = plan_lib.parse_strategies(args.strategies)
   lengths = plan_lib.lengths(args.lengths or (DEFAULT_TOPOLOGY_LENGTHS if args.topology else DEFAULT_LENGTHS))
-  if args.steps < 1 or args.trace_steps < 1:
-    raise ConfigError(f"--steps {args.steps} and --trace-steps {args.trace_steps} must both be at least 1.")
+  if args.steps < 1 or args.trace_steps < 1 or args.rounds < 1:
+    raise ConfigError(f"--steps {args.steps}, --trace-steps {args.trace_steps} and --rounds {args.rounds} must all be "
+                      "at least 1.")
+  if args.rounds > 1 and args.topology:
+    raise ConfigError("--rounds times runs on the devices present, and --topology runs nothing; drop one of them.")
   out = pathlib.Path(args.out or f"{config.run.output_dir}/bench" + (f"-{args.topology}" if args.topology else ""))
   if args.topology:
     from maxctx import topology as topology_lib
@@ -147,8 +189,9 @@ def run(args: argparse.Namespace) -> int:
     import jax
     from maxctx import mesh as mesh_lib
     n, slices, platform = len(jax.devices()), mesh_lib.num_slices_of(jax.devices()), None
-  steps = 1 + args.steps + args.trace_steps
+  steps = 1 + args.steps * args.rounds + args.trace_steps
   cases = plan_lib.plan(config, strategies, lengths, n, slices, args.context, steps, platform)
+  cases += also_cases(args, n, slices, steps, platform)
   out.mkdir(parents=True, exist_ok=True)  # Only now: a refused command leaves nothing behind.
   log.info("%d runs (%s × %s) into %s", len(cases), ",".join(strategies), ",".join(map(plan_lib.tokens, lengths)), out)
   if args.topology:

@@ -5,6 +5,11 @@ The step is compiled once, ahead of the loop (`jit(...).lower(...).compile()`), 
 traced, and read for its memory and collectives. Steps: `warmup` untimed, then `timed` steps each waited for
 (`block_until_ready`) and timed on the host, then `traced` steps under `jax.profiler`. The loss reported is that of
 the last step. Step time is the median of the timed steps; tokens/s = global batch × sequence length / step time.
+
+`attempt_all` with `rounds` > 1 holds several runs at once (each compiled and warmed up) and times them in turns:
+`rounds` rounds of `timed` steps each, every other round in the opposite order. A host whose speed drifts over minutes
+(fake CPU devices on shared cores) then slows every run alike instead of whichever happened to run during the slow
+minutes, so the runs' ranking is steadier (README, "Choosing a strategy").
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import dataclasses
 import logging
 import statistics
 import time
-from typing import Any
+from typing import Any, Callable
 
 import jax
 
@@ -61,79 +66,129 @@ def runtime_peak_bytes(devices) -> int | None:
   return max(peaks) if peaks else None
 
 
+class _Run:
+  """One case compiled and warmed up, ready for timed steps (`timed`) and then its profiled steps (`finish`)."""
+
+  def __init__(self, case: Case, steps: Steps):
+    config = case.config
+    devices = jax.devices()
+    self.mesh = mesh_lib.build_mesh(config.mesh, devices)
+    d = config.data
+    self.record: dict[str, Any] = {
+        "mesh": {a: int(s) for a, s in self.mesh.shape.items()}, "devices": len(devices),
+        "device_kind": devices[0].device_kind, "ulysses_degree": config.attention.ulysses_degree,
+        "tokens_per_step": d.batch_size * d.seq_len,
+        "flops_per_step": metrics_lib.flops_per_step(config.model, d.batch_size, d.seq_len)}
+    self.peak_before = runtime_peak_bytes(jax.local_devices())
+    self.losses: list[float] = []
+    self.times: list[float] = []
+    with jax.set_mesh(self.mesh):
+      trainer = Trainer(config, self.mesh)
+      self.pipeline = data_lib.build(config, self.mesh)
+      self.state = trainer.init(jax.random.key(config.run.seed))
+      self.batch = next(self.pipeline)
+      start = time.perf_counter()
+      self.compiled = trainer.step.lower(self.state, self.batch).compile()
+      self.record["compile_s"] = round(time.perf_counter() - start, 2)
+      text = self.compiled.as_text()
+      self.collectives = hlo_lib.collectives(text, hlo_lib.num_partitions(text, len(devices)))
+      self.record["memory_compiled"] = memory_analysis(self.compiled)
+      self.record["collective_bytes"] = self.collectives.summary()
+      for _ in range(steps.warmup):
+        self._step()
+
+  def _step(self) -> float:
+    batch = self.batch if self.batch is not None else next(self.pipeline)
+    self.batch = None  # the batch the step was compiled with is the first step's
+    t = time.perf_counter()
+    self.state, step_metrics = self.compiled(self.state, batch)
+    jax.block_until_ready(step_metrics)
+    elapsed = time.perf_counter() - t
+    self.losses.append(float(step_metrics["loss"]))
+    return elapsed
+
+  def timed(self, n: int) -> None:
+    with jax.set_mesh(self.mesh):
+      self.times.extend(self._step() for _ in range(n))
+
+  def finish(self, steps: Steps, rounds: int, held: int) -> dict[str, Any]:
+    record = self.record
+    traced_s = 0.0
+    with jax.set_mesh(self.mesh), trace_lib.profile(self.collectives) as profile:
+      for _ in range(steps.traced):
+        traced_s += self._step()
+    peak = runtime_peak_bytes(jax.local_devices())
+    # A device's peak counts from the start of the process, and the runs share one; a run's own peak is known only
+    # when it raised the peak of the runs before it (the sweep goes from short to long sequences, so most do) and no
+    # other run was held with it.
+    own = peak is not None and held == 1 and (self.peak_before is None or peak > self.peak_before)
+    record["peak_bytes_runtime"] = peak if own else None
+    if peak is not None and not own:
+      record["peak_runtime_note"] = ("at most the peak of an earlier run in this process" if held == 1 else
+                                     f"the peak of {held} runs held at once (--rounds)")
+    step_s = statistics.median(self.times) if self.times else traced_s / max(steps.traced, 1)
+    record.update(step_time_s=step_s, step_times_s=[round(t, 4) for t in self.times],
+                  tokens_per_s=record["tokens_per_step"] / step_s, loss=self.losses[-1], losses=self.losses,
+                  traced_steps=steps.traced, traced_s=traced_s)
+    if rounds > 1:
+      record["timed_rounds"] = rounds
+    # Share of the traced steps' wall time that one device (on average) spent inside collectives.
+    wall = max(traced_s, 1e-9)
+    record["comm_s_attention"] = profile.attention
+    record["comm_s_other"] = profile.other
+    record["comm_share"] = sum(profile.attention.values()) / wall
+    record["comm_share_all"] = (sum(profile.attention.values()) + sum(profile.other.values())) / wall
+    record["comm_share_by_kind"] = {k: v / wall for k, v in profile.attention.items() if v}
+    record["profiled_devices"] = profile.devices
+    return record
+
+
+def _guarded(fn: Callable[[], Any]) -> tuple[Any, dict[str, Any] | None]:
+  """fn's value, or what stopped it as a record: a ConfigError is "refused" (this case cannot run as configured), any
+  other MaxctxError (e.g. a DataError from the pipeline) or a runtime error (e.g. out of memory) is "failed"; `reason`
+  says why in one line."""
+  try:
+    return fn(), None
+  except ConfigError as e:
+    return None, {"status": "refused", "reason": str(e)}
+  except MaxctxError as e:
+    return None, {"status": "failed", "reason": str(e)}
+  except jax.errors.JaxRuntimeError as e:
+    return None, {"status": "failed", "reason": str(e).splitlines()[0][:300]}
+
+
+def attempt_all(cases: list[Case], steps: Steps, rounds: int = 1) -> list[dict[str, Any]]:
+  """The record of each case (status ok), or why it stopped (`_guarded`), so a sweep goes on to the next case.
+  With rounds == 1 each case runs whole before the next starts, and only one is held at a time. With rounds > 1 all
+  are held at once and their timed steps run in `rounds` turns of `steps.timed` (module docstring)."""
+  if rounds == 1:
+    return [attempt(case, steps) for case in cases]
+  out: list[dict[str, Any] | None] = [None] * len(cases)
+  runs: dict[int, _Run] = {}
+  for i, case in enumerate(cases):
+    runs[i], out[i] = _guarded(lambda: _Run(case, steps))
+  runs = {i: r for i, r in runs.items() if r is not None}
+  held = len(runs)
+  for r in range(rounds):
+    for i in sorted(runs, reverse=bool(r % 2)):
+      _, out[i] = _guarded(lambda: runs[i].timed(steps.timed))
+      if out[i] is not None:
+        del runs[i]
+    log.info("  round %d/%d of %d runs timed", r + 1, rounds, len(runs))
+  for i in sorted(runs):
+    record, error = _guarded(lambda: runs[i].finish(steps, rounds, held))
+    out[i] = error or {"status": "ok", **record}
+  return out
+
+
 def run(case: Case, steps: Steps) -> dict[str, Any]:
   """Trains `case.config` for `steps.total` steps and returns its record (see maxctx.bench.report for the fields)."""
-  config = case.config
-  devices = jax.devices()
-  mesh = mesh_lib.build_mesh(config.mesh, devices)
-  d = config.data
-  record: dict[str, Any] = {"mesh": {a: int(s) for a, s in mesh.shape.items()}, "devices": len(devices),
-                            "device_kind": devices[0].device_kind,
-                            "ulysses_degree": config.attention.ulysses_degree,
-                            "tokens_per_step": d.batch_size * d.seq_len,
-                            "flops_per_step": metrics_lib.flops_per_step(config.model, d.batch_size, d.seq_len)}
-  peak_before = runtime_peak_bytes(jax.local_devices())
-  with jax.set_mesh(mesh):
-    trainer = Trainer(config, mesh)
-    pipeline = data_lib.build(config, mesh)
-    state = trainer.init(jax.random.key(config.run.seed))
-    batch = next(pipeline)
-    start = time.perf_counter()
-    compiled = trainer.step.lower(state, batch).compile()
-    record["compile_s"] = round(time.perf_counter() - start, 2)
-    text = compiled.as_text()
-    collectives = hlo_lib.collectives(text, hlo_lib.num_partitions(text, len(devices)))
-    record["memory_compiled"] = memory_analysis(compiled)
-    record["collective_bytes"] = collectives.summary()
-
-    losses, times = [], []
-    for i in range(steps.warmup + steps.timed):
-      if i:
-        batch = next(pipeline)
-      t = time.perf_counter()
-      state, step_metrics = compiled(state, batch)
-      jax.block_until_ready(step_metrics)
-      times.append(time.perf_counter() - t)
-      losses.append(float(step_metrics["loss"]))
-    traced_s = 0.0
-    with trace_lib.profile(collectives) as profile:
-      for _ in range(steps.traced):
-        batch = next(pipeline)
-        t = time.perf_counter()
-        state, step_metrics = compiled(state, batch)
-        jax.block_until_ready(step_metrics)
-        traced_s += time.perf_counter() - t
-        losses.append(float(step_metrics["loss"]))
-    peak = runtime_peak_bytes(jax.local_devices())
-  # A device's peak counts from the start of the process, and the runs share one; a run's own peak is known only when
-  # it raised the peak of the runs before it (the sweep goes from short to long sequences, so most do).
-  record["peak_bytes_runtime"] = peak if peak is not None and (peak_before is None or peak > peak_before) else None
-  if peak is not None and record["peak_bytes_runtime"] is None:
-    record["peak_runtime_note"] = "at most the peak of an earlier run in this process"
-  step_s = statistics.median(times[steps.warmup:]) if steps.timed else traced_s / max(steps.traced, 1)
-  record.update(step_time_s=step_s, step_times_s=[round(t, 4) for t in times[steps.warmup:]],
-                tokens_per_s=record["tokens_per_step"] / step_s, loss=losses[-1], losses=losses,
-                traced_steps=steps.traced, traced_s=traced_s)
-  # Share of the traced steps' wall time that one device (on average) spent inside collectives.
-  wall = max(traced_s, 1e-9)
-  record["comm_s_attention"] = profile.attention
-  record["comm_s_other"] = profile.other
-  record["comm_share"] = sum(profile.attention.values()) / wall
-  record["comm_share_all"] = (sum(profile.attention.values()) + sum(profile.other.values())) / wall
-  record["comm_share_by_kind"] = {k: v / wall for k, v in profile.attention.items() if v}
-  record["profiled_devices"] = profile.devices
-  return record
+  r = _Run(case, steps)
+  r.timed(steps.timed)
+  return r.finish(steps, 1, 1)
 
 
 def attempt(case: Case, steps: Steps) -> dict[str, Any]:
-  """`run`, with what stops one case recorded instead of raised, so a sweep goes on to the next: a ConfigError is
-  "refused" (this case cannot run as configured), any other MaxctxError (e.g. a DataError from the pipeline) or a
-  runtime error (e.g. out of memory) is "failed"; `reason` says why in one line."""
-  try:
-    return {"status": "ok", **run(case, steps)}
-  except ConfigError as e:
-    return {"status": "refused", "reason": str(e)}
-  except MaxctxError as e:
-    return {"status": "failed", "reason": str(e)}
-  except jax.errors.JaxRuntimeError as e:
-    return {"status": "failed", "reason": str(e).splitlines()[0][:300]}
+  """`run`, with what stops it recorded (`_guarded`) instead of raised, so a sweep goes on to the next case."""
+  record, error = _guarded(lambda: run(case, steps))
+  return error or {"status": "ok", **record}
