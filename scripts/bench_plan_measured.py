@@ -56,8 +56,9 @@ def main(argv: list[str] | None = None) -> int:
   out = pathlib.Path(args.out)
   _run(["maxctx.plan", args.config, "--lengths", args.lengths], out / "plan", args.reuse)
   picks = [r for r in _records(out / "plan" / "plan.jsonl") if r.get("rank") == 1]
-  recipes = {p["length"]: out / "plan" / (f"recipe-{p['length']}.yml" if len(picks) > 1 else "recipe.yml")
-             for p in picks}
+  # maxctx.plan writes recipe.yml for one length, recipe-<length>.yml for each of several.
+  recipes = {p["length"]: next(f for f in (out / "plan" / f"recipe-{p['length']}.yml", out / "plan" / "recipe.yml")
+                               if f.exists()) for p in picks}
   also = [arg for path in recipes.values() for arg in ("--also", str(path))]
   _run(["maxctx.bench", args.config, "--lengths", args.lengths, "--rounds", "3", "--steps", "2", *also],
        out / "bench", args.reuse)

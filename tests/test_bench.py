@@ -81,8 +81,13 @@ def test_rounds_time_a_lengths_runs_in_turns_and_also_adds_a_run_file_as_it_stan
     assert r["timed_rounds"] == 2 and len(r["step_times_s"]) == 2 and len(r["losses"]) == 1 + 2 + 1
   assert abs(records[0]["loss"] - records[1]["loss"]) <= 1e-4
   assert "2 × 1 (each length's runs held at once" in (tmp_path / "out" / "results.md").read_text()
+  recipe["attention"]["strategy"] = "auto"
+  (tmp_path / "auto.yml").write_text(yaml.safe_dump(recipe))
+  pick = str(tmp_path / "pick-128.yml")
   for bad, says in ((["--rounds", "0"], "--rounds 0 must all be at least 1"),
-                    (["--rounds", "2", "--topology", "v5p-8"], "drop one")):
+                    (["--rounds", "2", "--topology", "v5p-8"], "drop one"),
+                    (["--also", str(tmp_path / "auto.yml")], "is a plan, not a run"),
+                    (["--also", pick, "--also", pick], "like an earlier --also file")):
     with pytest.raises(ConfigError, match=says):
       bench_main.run(bench_main._parser().parse_args(["configs/bench.yml", *bad, "--out", str(tmp_path / "x")]))
   assert not (tmp_path / "x").exists()
@@ -90,31 +95,39 @@ def test_rounds_time_a_lengths_runs_in_turns_and_also_adds_a_run_file_as_it_stan
 
 def test_rounds_alternate_the_order_and_a_run_that_fails_leaves_the_others_timing(monkeypatch):
   # measure.attempt_all with rounds > 1: every run is built (compiled, warmed up) first, then timed in turns, every
-  # other turn backwards; a run that fails in a turn is that run's record and the rest go on.
+  # other turn backwards; a run that fails in a turn is that run's record, the rest go on, and an out-of-memory
+  # failure says how many runs were held with it.
   calls = []
 
   class Run:
     def __init__(self, case, steps):
-      if case == "refused":
+      if case.strategy == "refused":
         raise ConfigError("block_q 100 does not divide 128.")
-      self.case = case
-      calls.append(("built", case))
+      self.name = case.strategy
+      calls.append(("built", self.name))
 
     def timed(self, n):
-      calls.append((self.case, n))
-      if self.case == "oom" and calls.count(("oom", n)) == 2:
+      calls.append((self.name, n))
+      if self.name == "oom" and calls.count(("oom", n)) == 2:
         raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory\nmore")
 
     def finish(self, steps, rounds, held):
       return {"step_time_s": 1.0, "timed_rounds": rounds, "peak_runtime_note": f"{held} held"}
 
   monkeypatch.setattr(measure, "_Run", Run)
-  out = measure.attempt_all(["a", "refused", "oom", "b"], measure.Steps(timed=2), rounds=3)
+  cases = [plan.Case(name, 128, None) for name in ("a", "refused", "oom", "b")]
+  out = measure.attempt_all(cases, measure.Steps(timed=2), rounds=3)
   assert calls == [("built", "a"), ("built", "oom"), ("built", "b"), ("a", 2), ("oom", 2), ("b", 2),
                    ("b", 2), ("oom", 2), ("a", 2), ("a", 2), ("b", 2)]
   assert out[1] == {"status": "refused", "reason": "block_q 100 does not divide 128."}
-  assert out[2] == {"status": "failed", "reason": "RESOURCE_EXHAUSTED: Out of memory"}
+  assert out[2] == {"status": "failed", "reason": "RESOURCE_EXHAUSTED: Out of memory (3 runs held at once, --rounds)"}
   assert out[0] == out[3] == {"status": "ok", "step_time_s": 1.0, "timed_rounds": 3, "peak_runtime_note": "3 held"}
+  # The sweep's cases by length, an --also file's beside those of its own length, each length a group of turns.
+  sweep = [plan.Case(s, n, None) for n in (256, 128) for s in ("none", "ring")]
+  ordered = bench_main.in_length_order(sweep + [plan.Case("ring_pick", 128, None), plan.Case("usp_x", 512, None)])
+  assert [(c.strategy, c.seq_len) for c in ordered] == [("none", 256), ("ring", 256), ("none", 128), ("ring", 128),
+                                                        ("ring_pick", 128), ("usp_x", 512)]
+  assert bench_main._by_length(ordered) == [[0, 1], [2, 3, 4], [5]]
 
 
 def test_a_strategy_that_cannot_run_is_refused_with_validates_sentence():

@@ -1,7 +1,7 @@
 """Strategy benchmark: tokens/s, peak memory and communication share per CP strategy and sequence length.
 
     python -m maxctx.bench configs/bench.yml [section.key=value ...] [--strategies none,all_gather,ulysses,ring,usp]
-        [--lengths 256,512,1k,2k] [--steps 3] [--rounds 1] [--context 4] [--also RUN_FILE ...] [--out DIR]
+        [--lengths 256,512,1k,2k] [--steps 3] [--rounds 1] [--context 4] [--also RUN_FILE]... [--out DIR]
     python -m maxctx.bench configs/recipes/llama3.1-8b-14m-ring-tpu7x-128.yml --topology tpu7x-128 \\
         --lengths 1m,4m,14m [--reports runs/compile] [--no-compile] [--out DIR]
 
@@ -9,8 +9,9 @@ Without --topology it trains each strategy × length for a few steps on the devi
 global batch every time) and measures; with --topology nothing runs: each configuration is compiled for that TPU slice
 and estimated (maxctx.bench.aot, maxctx.bench.roofline). Writes results.jsonl, results.md, tokens_per_s.png,
 memory.png, comm_share.png and tensorboard/ (scalars under bench/) to --out (default <run.output_dir>/bench[-TOPOLOGY]).
---also adds a run file as it stands (its strategy, mesh and memory policy, at its own data.seq_len) beside the sweep's
-cases, e.g. a recipe from maxctx.plan; with --rounds it is timed in the same turns as the sweep's cases of its length.
+--also adds a run file (with the command's overrides) as it stands, its strategy, mesh and memory policy at its own
+data.seq_len, beside the sweep's cases of that length, e.g. a recipe from maxctx.plan; with --rounds it is timed in
+the same turns as they are. It should train the sweep's model on its data (the float32 loss check compares them).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def _parser() -> argparse.ArgumentParser:
                       "order, all of that length's runs held at once: steadier ranks where the host's speed drifts "
                       "(fake CPU devices); default 1, each run whole before the next")
   p.add_argument("--also", action="append", default=[], metavar="RUN_FILE",
-                 help="also run this run file as it stands, at its own data.seq_len (repeatable)")
+                 help="also run this run file as it stands, at its own data.seq_len (repeat the flag for each file)")
   p.add_argument("--trace-steps", type=int, default=1, help="profiled steps after the timed ones (default 1)")
   p.add_argument("--context", type=int, help="context degree of the CP strategies (default: the config's)")
   p.add_argument("--out", help="output directory (default <run.output_dir>/bench, or bench-<topology>)")
@@ -97,15 +98,32 @@ def _timed(args: argparse.Namespace) -> str:
 
 
 def also_cases(args: argparse.Namespace, n: int, slices: int, steps: int, platform: str | None) -> list[plan_lib.Case]:
-  """The --also run files as cases: each as it stands, at its own length, named `<strategy>_<file stem>`."""
+  """The --also run files as cases: each as it stands, at its own length, named `<strategy>_<file stem>` (`none` runs
+  as all_gather on a context of one, so its recipe shows as all_gather)."""
   cases = []
   for path in args.also:
     config = config_lib.load(path, args.overrides)
     if args.topology:
       config = config.replace(**{"compile.topology": args.topology, "compile.num_slices": args.num_slices})
-    case = plan_lib.configure(config, config.attention.strategy, config.data.seq_len, n, slices, None, steps, platform)
-    cases.append(dataclasses.replace(case, strategy=f"{config.attention.strategy}_{pathlib.Path(path).stem}"))
+    strategy = config.attention.strategy
+    if strategy == "auto":
+      raise ConfigError(f"--also {path} has attention.strategy auto, which is a plan, not a run; plan it with "
+                        "python -m maxctx.plan and pass the recipe.yml it writes.")
+    name = f"{strategy}_{pathlib.Path(path).stem}"
+    if name in (c.strategy for c in cases):
+      raise ConfigError(f"--also {path} would be named {name} like an earlier --also file; rename one of them.")
+    case = plan_lib.configure(config, strategy, config.data.seq_len, n, slices, None, steps, platform)
+    cases.append(dataclasses.replace(case, strategy=name))
   return cases
+
+
+def in_length_order(cases: list[plan_lib.Case]) -> list[plan_lib.Case]:
+  """The cases by sequence length, in the order the lengths first appear, each length's in their own order: an --also
+  file runs beside the sweep's cases of its length."""
+  first: dict[int, int] = {}
+  for case in cases:
+    first.setdefault(case.seq_len, len(first))
+  return sorted(cases, key=lambda c: first[c.seq_len])
 
 
 def measure_all(config, cases, args) -> tuple[list[report.Record], str, str]:
@@ -113,7 +131,7 @@ def measure_all(config, cases, args) -> tuple[list[report.Record], str, str]:
   from maxctx.bench import measure
   steps = measure.Steps(warmup=1, timed=args.steps, traced=args.trace_steps)
   records = [_base_record(case) for case in cases]
-  # One case at a time, or with --rounds each length's cases together; each logged as soon as it is measured.
+  # One case at a time, or with --rounds each length's cases together; logged when its case, or its length, is done.
   for group in ([[i] for i in range(len(cases))] if args.rounds == 1 else _by_length(cases)):
     runnable = [i for i in group if cases[i].config is not None]
     for i, result in zip(runnable, measure.attempt_all([cases[i] for i in runnable], steps, args.rounds)):
@@ -191,9 +209,10 @@ def run(args: argparse.Namespace) -> int:
     n, slices, platform = len(jax.devices()), mesh_lib.num_slices_of(jax.devices()), None
   steps = 1 + args.steps * args.rounds + args.trace_steps
   cases = plan_lib.plan(config, strategies, lengths, n, slices, args.context, steps, platform)
-  cases += also_cases(args, n, slices, steps, platform)
+  cases = in_length_order(cases + also_cases(args, n, slices, steps, platform))
   out.mkdir(parents=True, exist_ok=True)  # Only now: a refused command leaves nothing behind.
-  log.info("%d runs (%s × %s) into %s", len(cases), ",".join(strategies), ",".join(map(plan_lib.tokens, lengths)), out)
+  log.info("%d runs (%s × %s%s) into %s", len(cases), ",".join(strategies), ",".join(map(plan_lib.tokens, lengths)),
+           "".join(f", --also {p}" for p in args.also), out)
   if args.topology:
     records, where, setup = estimate_all(config, cases, args, out)
     text = report.markdown_estimates(records, f"Strategy estimates on {args.topology}", setup, roofline.table())

@@ -9,7 +9,7 @@ the last step. Step time is the median of the timed steps; tokens/s = global bat
 `attempt_all` with `rounds` > 1 holds several runs at once (each compiled and warmed up) and times them in turns:
 `rounds` rounds of `timed` steps each, every other round in the opposite order. A host whose speed drifts over minutes
 (fake CPU devices on shared cores) then slows every run alike instead of whichever happened to run during the slow
-minutes, so the runs' ranking is steadier (README, "Choosing a strategy").
+minutes, so the runs' ranking is steadier (README, "Measuring the strategies against each other").
 """
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ class _Run:
     record["peak_bytes_runtime"] = peak if own else None
     if peak is not None and not own:
       record["peak_runtime_note"] = ("at most the peak of an earlier run in this process" if held == 1 else
-                                     f"the peak of {held} runs held at once (--rounds)")
+                                     f"the process's peak, with {held} runs held at once (--rounds)")
     step_s = statistics.median(self.times) if self.times else traced_s / max(steps.traced, 1)
     record.update(step_time_s=step_s, step_times_s=[round(t, 4) for t in self.times],
                   tokens_per_s=record["tokens_per_step"] / step_s, loss=self.losses[-1], losses=self.losses,
@@ -165,16 +165,28 @@ def attempt_all(cases: list[Case], steps: Steps, rounds: int = 1) -> list[dict[s
     return [attempt(case, steps) for case in cases]
   out: list[dict[str, Any] | None] = [None] * len(cases)
   runs: dict[int, _Run] = {}
+
+  def held_note(error: dict[str, Any], held: int) -> dict[str, Any]:
+    # Out of memory with others held may be --rounds' doing, not this run's: say so.
+    if error["status"] == "failed" and held > 1:
+      error["reason"] += f" ({held} runs held at once, --rounds)"
+    return error
+
   for i, case in enumerate(cases):
-    runs[i], out[i] = _guarded(lambda: _Run(case, steps))
-  runs = {i: r for i, r in runs.items() if r is not None}
+    log.info("  building %d/%d: %s at %d tokens", i + 1, len(cases), case.strategy, case.seq_len)
+    built, error = _guarded(lambda: _Run(case, steps))
+    if error is None:
+      runs[i] = built
+    else:
+      out[i] = held_note(error, len(runs) + 1)
   held = len(runs)
   for r in range(rounds):
     for i in sorted(runs, reverse=bool(r % 2)):
-      _, out[i] = _guarded(lambda: runs[i].timed(steps.timed))
-      if out[i] is not None:
+      _, error = _guarded(lambda: runs[i].timed(steps.timed))
+      if error is not None:
+        out[i] = held_note(error, held)
         del runs[i]
-    log.info("  round %d/%d of %d runs timed", r + 1, rounds, len(runs))
+    log.info("  round %d/%d: %d runs timed", r + 1, rounds, len(runs))
   for i in sorted(runs):
     record, error = _guarded(lambda: runs[i].finish(steps, rounds, held))
     out[i] = error or {"status": "ok", **record}

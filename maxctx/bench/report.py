@@ -52,7 +52,8 @@ class Record:
   peak_runtime_note: str | None = None
   step_time_s: float | None = None
   step_times_s: list[float] | None = None
-  timed_rounds: int | None = None          # maxctx.plan re-times its closest candidates: their step_times_s pool both
+  timed_rounds: int | None = None          # maxctx.plan's re-timed candidates and maxctx.bench --rounds: step_times_s
+                                           # pools every round
   tokens_per_s: float | None = None
   loss: float | None = None
   losses: list[float] | None = None
@@ -142,6 +143,8 @@ def _memory_cell(r: Record) -> str:
 
 
 def _peak(r: Record) -> str:
+  if r.peak_runtime_note and "held at once" in r.peak_runtime_note:
+    return "not its own (--rounds)"
   return "≤ an earlier run's" if r.peak_runtime_note else _mib(r.peak_bytes_runtime)
 
 
