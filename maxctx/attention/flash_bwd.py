@@ -106,10 +106,10 @@ def backward(grads, q_BTNH, k_BSKH, v_BSKH, q_seg, kv_seg, q_pos, kv_pos, lse_BN
   dkv_order = lambda b, h, j, i: (b, h, i, j)  # noqa: E731
   dq_spec = pl.BlockSpec((None, bq, G * H), lambda b, h, i, j, *_: (b, i, h))
   dkv_spec = pl.BlockSpec((None, bk, H), lambda b, h, j, i, *_: (b, j, h))
-  # The forward stacks the same query ids (`ids_rows`): without the barrier XLA computes that copy once for both, and
-  # it stays live from the forward through all that runs before this backward (14 MiB per device at the peak of the
-  # 14M usp v5p step, in the MLP's backward).
-  q_seg, q_pos = jax.lax.optimization_barrier((q_seg, q_pos))
+  # The forward stacks the same ids (`ids_rows`): without the barrier XLA computes each copy once for both, and it
+  # stays live from the forward through all that runs before this backward (the queries' 14 MiB per device at the
+  # peak of the 14M usp v5p step, in the MLP's backward). Keys too: whole-sequence attention has the queries' ids.
+  q_seg, q_pos, kv_seg, kv_pos = jax.lax.optimization_barrier((q_seg, q_pos, kv_seg, kv_pos))
   ids = (tiles.summaries(q_seg, q_pos, bq), tiles.summaries(kv_seg, kv_pos, bk))
   operands = (tiles.heads_view(q_BTNH), tiles.heads_view(k_BSKH), tiles.heads_view(v_BSKH),
               tiles.heads_view(dout_BTNH), tiles.rows_view(lse_BNT, G), tiles.rows_view(delta_BNT, G),
