@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import logging
 import pathlib
 import sys
@@ -83,11 +84,8 @@ def _model_line(config: config_lib.Config) -> str:
 
 
 def _by_length(cases: list[plan_lib.Case]) -> list[list[int]]:
-  """The cases' indices grouped by sequence length, lengths in the order they first appear."""
-  groups: dict[int, list[int]] = {}
-  for i, case in enumerate(cases):
-    groups.setdefault(case.seq_len, []).append(i)
-  return list(groups.values())
+  """The indices of each length's cases, for cases already `in_length_order`."""
+  return [[i for i, _ in group] for _, group in itertools.groupby(enumerate(cases), key=lambda p: p[1].seq_len)]
 
 
 def _timed(args: argparse.Namespace) -> str:
