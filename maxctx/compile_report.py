@@ -100,6 +100,8 @@ class CompileReport:
     names = {f.name for f in dataclasses.fields(cls)}
     tree = {k: v for k, v in tree.items() if k in names}
     tree.setdefault("mlp_chunk", 0)  # a report from before model.mlp_chunk was compiled without chunking
+    if isinstance((tree.get("step") or {}).get("model"), dict):   # and one from before model.remat_group, ungrouped
+      tree["step"] = {**tree["step"], "model": {"remat_group": 1, **tree["step"]["model"]}}
     if tree.get("memory") is not None:
       tree["memory"] = Memory(**{k: v for k, v in tree["memory"].items() if k != "total"})
     return cls(**tree)
@@ -118,11 +120,13 @@ def _counts(counts: dict[str, int]) -> str:
 def format_report(r: CompileReport) -> str:
   mesh = " × ".join(f"{a}={s}" for a, s in r.mesh.items() if s > 1) or "1 device"
   slices = f" × {r.num_slices} slices" if r.num_slices > 1 else ""
+  group = ((r.step or {}).get("model") or {}).get("remat_group", 1)
+  remat = r.remat + (f" in groups of {group} layers" if group > 1 else "")
   lines = [
       f"{r.config}: {r.strategy} ({r.kernel} kernel) on {r.topology}{slices} "
       f"= {r.chips} chips, {r.devices} devices ({r.device_kind}); mesh {mesh}",
       f"  sequence {r.seq_len:,} tokens × batch {r.batch_size}: {r.tokens_per_device:,} tokens per device; "
-      f"remat {r.remat}, loss_chunk {r.loss_chunk}, mlp_chunk {r.mlp_chunk or 'off'}, "
+      f"remat {remat}, loss_chunk {r.loss_chunk}, mlp_chunk {r.mlp_chunk or 'off'}, "
       f"blocks q={r.block_q or 'default'} kv={r.block_kv or 'default'}",
       f"  FLOPs (analytic): {r.flops_per_step:.3e} per step, {r.flops_per_device:.3e} per device"
       + (f" = {r.seconds_at_peak:.3g} s per step at peak" if r.seconds_at_peak else ""),

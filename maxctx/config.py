@@ -57,6 +57,7 @@ class ModelConfig:
   dtype: Literal["float32", "bfloat16"]
   param_dtype: Literal["float32", "bfloat16"]
   remat: Literal["none", "full", "full_offload", "save_dots", "save_attention_out", "auto"]
+  remat_group: int
   scan_layers: bool
   loss_chunk: int
   mlp_chunk: int
@@ -349,7 +350,8 @@ RANGES = (
     ("run.steps", 1, None, True), ("model.n_heads", 1, None, True), ("model.n_kv_heads", 1, None, True),
     ("model.n_layers", 1, None, True), ("model.d_model", 1, None, True), ("model.head_dim", 2, None, True),
     ("model.d_ff", 1, None, True), ("model.vocab_size", 2, None, True), ("model.loss_chunk", 1, None, True),
-    ("model.mlp_chunk", 0, None, True), ("model.norm_eps", 0, None, False), ("model.rope_theta", 0, None, False),
+    ("model.mlp_chunk", 0, None, True), ("model.remat_group", 1, None, True),
+    ("model.norm_eps", 0, None, False), ("model.rope_theta", 0, None, False),
     ("model.init_std", 0, None, False), ("data.seq_len", 2, None, True), ("data.batch_size", 1, None, True),
     ("data.num_workers", 0, None, True), ("data.prefetch", 0, None, True), ("optim.lr", 0, None, True),
     ("optim.warmup_steps", 0, None, True), ("optim.decay_steps", 0, None, True), ("optim.min_lr_ratio", 0, 1, True),

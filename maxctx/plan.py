@@ -2,13 +2,15 @@
 compiled and estimated for a TPU slice.
 
     python -m maxctx.plan configs/bench.yml [section.key=value ...] [--lengths 512,1k] [--remat none,full]
-        [--mlp-chunk 0,16384] [--loss-chunk 1024,2048] [--strategies none,all_gather,ulysses,ring,usp] [--steps 3]
-        [--out DIR]
+        [--remat-group 1,2] [--mlp-chunk 0,16384] [--loss-chunk 1024,2048]
+        [--strategies none,all_gather,ulysses,ring,usp] [--steps 3] [--out DIR]
         [--topology v5p-128 [--num-slices N] [--compile N] [--reports DIR] [--no-compile]]
 
 Candidates, for each length: every strategy at every context degree that divides the devices left by the run's data
 and tensor axes (the rest on fsdp), usp at every ulysses degree between 1 and its context degree, `none` (no context
-parallelism, context 1), each under every remat policy of `--remat` (default: the run's; `auto`: all) and with every
+parallelism, context 1), each under every remat policy of `--remat` (default: the run's; `auto`: all; `full` and
+`full_offload` also in every layer group of `--remat-group`, default the run's model.remat_group, and 2 with
+--topology, where a length may fit only saving one input per pair of layers) and with every
 MLP chunk of `--mlp-chunk` (default: the run's model.mlp_chunk and 16,384 tokens; a chunk that does not split the
 candidate's tokens per device is the unchunked MLP, tried once), and, with `--loss-chunk`, with every model.loss_chunk
 given (tokens per device per step of the loss's logits; default: the run's only). `maxctx.trainer.validate` checks
@@ -22,11 +24,12 @@ for a length is the candidate with the most tokens/s over all its timed steps.
 Topology mode (--topology): nothing runs. Every valid candidate is first estimated by the analytic cost model
 (maxctx.plan_model: memory, collective bytes and a roofline step time from the config alone), then compiled for the
 slice in the model's order -- least estimated step time among those it expects to fit, then least memory --
-`--compile N` of them (default 2), and more only until one fits; candidates expected over 1.25 × HBM are not
-compiled (`--compile 0` compiles every candidate). Compiles are cached under --out, or reused from --reports. A compiled candidate is estimated with
-maxctx.bench's roofline from its compiled memory and collectives; the plan is the compiled candidate that fits with
-the least such estimated step time (ties, common when every candidate is compute-bound, go to the one needing less
-memory). When nothing fits, the plan says which candidate came closest and by how many GiB. plan.md lists the model's
+`--compile N` of them (default 2), and more only until one fits; candidates expected over 1.25 × HBM, or to fill
+more than maxctx.train's share of a host VM's RAM with offloaded layer inputs (an exact count), are not compiled
+(`--compile 0` compiles every candidate). Compiles are cached under --out, or reused from --reports. A compiled
+candidate is estimated with maxctx.bench's roofline from its compiled memory and collectives; the plan is the compiled
+candidate that fits with the least such estimated step time (ties, common when every candidate is compute-bound, go to
+the one needing less memory). When nothing fits, the plan says which candidate came closest and by how many GiB. plan.md lists the model's
 estimate beside the compiler's for every candidate.
 
 Writes to --out (default <run.output_dir>/plan, or plan-<topology>): plan.md (every candidate, ranked), plan.jsonl (one
@@ -51,6 +54,7 @@ import sys
 
 import yaml
 
+from maxctx import chips as chips_lib
 from maxctx import config as config_lib
 from maxctx import console
 from maxctx import mesh as mesh_lib
@@ -59,8 +63,8 @@ from maxctx.bench import plan as cases_lib
 from maxctx.bench import report
 from maxctx.config import Config
 from maxctx.errors import ArgumentParser, ConfigError, exit_code
-from maxctx.plan_candidates import (MLP_CHUNK, REMATS, Candidate, candidates, loss_chunk_flag, mlp_chunk_flag,
-                                    remat_flag)
+from maxctx.plan_candidates import (MLP_CHUNK, REMAT_GROUP, REMATS, Candidate, candidates, loss_chunk_flag,
+                                    mlp_chunk_flag, remat_flag, remat_group_flag)
 from maxctx.plan_tables import chosen
 
 log = logging.getLogger("maxctx.plan")
@@ -161,17 +165,25 @@ def estimate_all(cands: list[Candidate], n: int, slices: int, out: pathlib.Path,
   model = {c: plan_model.estimate(c.case.config, sizes[c], topo) for c in valid}
   hbm = topo.hbm_bytes if topo else 0
   ratio: dict[str, float] = {}   # remat policy -> compiled / modelled memory, the largest seen
+  # What full_offload keeps in a host VM's RAM is exactly its saved inputs (the model's figure is the compiler's), so
+  # a candidate over maxctx.train's share of that RAM is not compiled.
+  per_host = (topo.devices_per_host or 0) if topo else 0
+  ram = (topo.generation.chip.host_ram_bytes or 0) if topo else 0
 
   def expected(c: Candidate) -> float:
     return model[c].total * ratio.get(c.remat, 1.0)
 
+  def host_over(c: Candidate) -> bool:
+    return bool(per_host and ram) and model[c].host * per_host > chips_lib.HOST_MEMORY_SHARE * ram
+
   records, left, compiled, fitting = {}, list(valid), 0, 0
   while left:
-    cand = min(left, key=lambda c: (expected(c) > hbm, model[c].step_s, model[c].host > 0, expected(c)))
+    cand = min(left, key=lambda c: (expected(c) > hbm or host_over(c), model[c].step_s, model[c].host > 0,
+                                    expected(c)))
     left.remove(cand)
     est, want = model[cand], expected(cand)
-    may_compile = compile_missing and (not budget or want <= NOT_WORTH_COMPILING * hbm and (compiled < budget
-                                                                                            or not fitting))
+    may_compile = compile_missing and (not budget or want <= NOT_WORTH_COMPILING * hbm and not host_over(cand)
+                                       and (compiled < budget or not fitting))
     rec = _record(cand).set(mesh=sizes[cand], hbm_per_device_bytes=hbm, **est.fields())
     rec.set(**aot.record(cand.case, sizes[cand], out, reports, may_compile))
     compiled += (rec.source or "").startswith("compiled")
@@ -183,6 +195,10 @@ def estimate_all(cands: list[Candidate], n: int, slices: int, out: pathlib.Path,
                 f"remat={cand.remat})" if cand.remat in ratio else "")
       rec.set(reason=f"not compiled: expected to need {want / 2**30:.1f} GiB per device of {hbm / 2**30:.1f} GiB "
                      f"HBM{scaled}")
+    elif rec.status == "missing" and compile_missing and budget and host_over(cand):
+      rec.set(reason=f"{plan_tables.HOST_OVER} {est.host * per_host / 2**30:.1f} GiB of saved layer inputs "
+                     f"in each host VM's memory, over {chips_lib.HOST_MEMORY_SHARE:.0%} of its "
+                     f"{ram / 1e9:.0f} GB")
     elif rec.status == "missing" and compile_missing and budget:
       rec.set(reason=f"not compiled: ranked below the {compiled} compiled (--compile {budget})")
     memory = (f"{rec.memory_compiled['total'] / 2**30:.1f} GiB compiled, " if rec.memory_compiled else "")
@@ -259,6 +275,9 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--lengths", help="comma-separated tokens per sequence, k = 2^10, m = 2^20 (default: data.seq_len)")
   p.add_argument("--remat", help=f"comma-separated remat policies to try, of {', '.join(REMATS)}, or auto for all "
                                  "of them (default: the run's model.remat)")
+  p.add_argument("--remat-group", help=f"comma-separated model.remat_group values to try under remat full and "
+                                       f"full_offload, layers per saved input (default: the run's, and {REMAT_GROUP} "
+                                       "with --topology)")
   p.add_argument("--mlp-chunk", help=f"comma-separated model.mlp_chunk values to try, tokens per MLP step, 0 for "
                                      f"all at once (default: the run's and {MLP_CHUNK}); one that does not split a "
                                      "candidate's tokens per device is the same as 0")
@@ -285,6 +304,7 @@ def run(args: argparse.Namespace) -> int:
   lengths = cases_lib.lengths(args.lengths) if args.lengths else [config.data.seq_len]
   remats = remat_flag(args.remat, config)
   chunks = mlp_chunk_flag(args.mlp_chunk, config)
+  groups = remat_group_flag(args.remat_group, config, bool(args.topology))
   loss_chunks = loss_chunk_flag(args.loss_chunk)
   if args.steps < 1:
     raise ConfigError(f"--steps is {args.steps}; time at least one step per candidate.")
@@ -305,7 +325,7 @@ def run(args: argparse.Namespace) -> int:
     n, slices, platform, steps = len(jax.devices()), mesh_lib.num_slices_of(jax.devices()), None, args.steps + 2
     where = f"{n} {jax.default_backend().upper()} devices"
   by_length = {s: candidates(config, strategies, s, remats, n, slices, steps=steps, platform=platform,
-                             chunks=chunks, loss_chunks=loss_chunks)
+                             chunks=chunks, loss_chunks=loss_chunks, groups=groups)
                for s in lengths}
   valid = sum(c.case.config is not None for cs in by_length.values() for c in cs)
   if not valid:
@@ -323,7 +343,8 @@ def run(args: argparse.Namespace) -> int:
              if args.topology else measure_all(cands, args.steps))
     ranked[seq_len] = rank(cands, found)
     records += [{"candidate": c.label, "context": c.context, "ulysses": c.ulysses, "remat": c.remat,
-                 "mlp_chunk": c.mlp_chunk, "loss_chunk": c.case.config.model.loss_chunk if c.case.config else None,
+                 "remat_group": c.remat_group, "mlp_chunk": c.mlp_chunk,
+                 "loss_chunk": c.case.config.model.loss_chunk if c.case.config else None,
                  "rank": i if chosen(r) else None, **r.to_json()}
                 for i, (c, r) in enumerate(ranked[seq_len], 1)]
   written = []

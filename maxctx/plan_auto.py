@@ -31,6 +31,7 @@ log = logging.getLogger("maxctx.plan")
 PLANNED = ("attention.strategy", "attention.ulysses_degree",
            *(f"mesh.{level}.{a}" for level in ("ici", "dcn") for a in MESH_AXES))
 REMAT = "model.remat"
+REMAT_GROUP = "model.remat_group"   # set with it: 1 under a policy that does not group layers
 AUTO_STEPS = 2   # timed steps per candidate when maxctx.train resolves `auto` (after one warm-up and one profiled)
 AUTO_COMPILES = 1   # candidates maxctx.compile compiles when it resolves `auto` for a slice (then only until one fits)
 
@@ -38,7 +39,7 @@ AUTO_COMPILES = 1   # candidates maxctx.compile compiles when it resolves `auto`
 def planned_keys(config: Config) -> tuple[str, ...]:
   """The keys this run leaves to the planner (those a resumed run takes from the plan it saved)."""
   return ((PLANNED if config.attention.strategy == attention.AUTO else ())
-          + ((REMAT,) if config.model.remat == plan_candidates.AUTO else ()))
+          + ((REMAT, REMAT_GROUP) if config.model.remat == plan_candidates.AUTO else ()))
 
 
 def is_auto(config: Config) -> bool:
@@ -59,12 +60,13 @@ def _candidates(config: Config, n: int, slices: int, platform: str | None = None
     strategies = cases_lib.parse_strategies(cases_lib.DEFAULT_STRATEGIES)
     return plan_candidates.candidates(config, strategies, seq_len, remats, n, slices, platform=platform)
   out = []
-  for remat in remats:
-    case = cases_lib.configure(config.replace(**{REMAT: remat}), config.attention.strategy, seq_len, n, slices,
-                               platform=platform)
+  # The run's model.remat_group, under the policies that group layers (1 under the others).
+  for remat, group in plan_candidates.remats_with_groups(remats, [config.model.remat_group], config.model.n_layers):
+    case = cases_lib.configure(config.replace(**{REMAT: remat, REMAT_GROUP: group}),
+                               config.attention.strategy, seq_len, n, slices, platform=platform)
     context = case.config.mesh.ici.context * case.config.mesh.dcn.context if case.config else 0
     out.append(plan_candidates.Candidate(config.attention.strategy, context, config.attention.ulysses_degree, remat,
-                                         config.model.mlp_chunk, case))
+                                         config.model.mlp_chunk, case, remat_group=group))
   return out
 
 

@@ -1,7 +1,8 @@
-"""What the planner tries: a candidate is a strategy, its context (and ulysses) degree, a remat policy, an MLP chunk
-and (where the plan varies it) a loss chunk, with the config `maxctx.trainer.validate` checked (or its refusal);
-`candidates` lists every one for a length, and `remat_flag`, `mlp_chunk_flag` and `loss_chunk_flag` read
-maxctx.plan's flags. maxctx.plan measures or estimates them, maxctx.plan_auto resolves `auto` with them."""
+"""What the planner tries: a candidate is a strategy, its context (and ulysses) degree, a remat policy (with its layer
+groups), an MLP chunk and (where the plan varies it) a loss chunk, with the config `maxctx.trainer.validate` checked
+(or its refusal); `candidates` lists every one for a length, and `remat_flag`, `remat_group_flag`, `mlp_chunk_flag`
+and `loss_chunk_flag` read maxctx.plan's flags. maxctx.plan measures or estimates them, maxctx.plan_auto resolves
+`auto` with them."""
 
 from __future__ import annotations
 
@@ -29,13 +30,15 @@ class Candidate:
   mlp_chunk: int                  # model.mlp_chunk: tokens per MLP step, 0 = all of the device's at once
   case: cases_lib.Case            # the validated config (or the refusal) at one length
   loss_chunk: int | None = None   # model.loss_chunk where the plan varies it (in the label); None: the run's
+  remat_group: int = 1            # model.remat_group: layers per saved input (nested remat)
 
   @property
   def label(self) -> str:
     u = f" u={self.ulysses}" if self.ulysses else ""
+    group = f" remat_group={self.remat_group}" if self.remat_group > 1 else ""
     chunk = f" mlp_chunk={self.mlp_chunk}" if self.mlp_chunk else ""
     loss = "" if self.loss_chunk is None else f" loss_chunk={self.loss_chunk}"
-    return f"{self.strategy} c={self.context}{u} remat={self.remat}{chunk}{loss}"
+    return f"{self.strategy} c={self.context}{u} remat={self.remat}{group}{chunk}{loss}"
 
   @property
   def overrides(self) -> dict[str, Any]:
@@ -44,7 +47,8 @@ class Candidate:
     c = self.case.config
     out: dict[str, Any] = {"attention.strategy": c.attention.strategy,
                            "attention.ulysses_degree": c.attention.ulysses_degree, "model.remat": c.model.remat,
-                           "model.mlp_chunk": c.model.mlp_chunk, "model.loss_chunk": c.model.loss_chunk}
+                           "model.remat_group": c.model.remat_group, "model.mlp_chunk": c.model.mlp_chunk,
+                           "model.loss_chunk": c.model.loss_chunk}
     for level in ("ici", "dcn"):
       out.update({f"mesh.{level}.{a}": getattr(getattr(c.mesh, level), a) for a in MESH_AXES})
     return out
@@ -71,13 +75,26 @@ def loss_chunks_for(wanted: list[int], local: int) -> list[int]:
   return list(dict.fromkeys(min(c, local) for c in wanted))
 
 
+def remats_with_groups(remats: list[str], groups: list[int], n_layers: int) -> list[tuple[str, int]]:
+  """(policy, model.remat_group) pairs: the groups of `groups` that divide the layers, under the policies that save
+  only layer inputs (full, full_offload); 1 under the others."""
+  return list(dict.fromkeys((r, g if r in GROUPED_REMATS and n_layers % g == 0 else 1)
+                            for r in remats for g in groups))
+
+
+GROUPED_REMATS = ("full", "full_offload")
+
+
 def candidates(base: Config, strategies: list[str], seq_len: int, remats: list[str], num_devices: int,
                num_slices: int = 1, steps: int | None = None, platform: str | None = None,
-               chunks: list[int] | None = None, loss_chunks: list[int] | None = None) -> list[Candidate]:
-  """Every candidate at `seq_len`, valid or refused, in a fixed order (strategy, context, ulysses, remat, MLP chunk,
-  loss chunk); `chunks` are the model.mlp_chunk values to try (default: the run's), `loss_chunks` the model.loss_chunk
-  values (default: the run's, and then not in the candidates' labels)."""
+               chunks: list[int] | None = None, loss_chunks: list[int] | None = None,
+               groups: list[int] | None = None) -> list[Candidate]:
+  """Every candidate at `seq_len`, valid or refused, in a fixed order (strategy, context, ulysses, remat, remat group,
+  MLP chunk, loss chunk); `chunks` are the model.mlp_chunk values to try (default: the run's), `loss_chunks` the
+  model.loss_chunk values (default: the run's, and then not in the candidates' labels), `groups` the
+  model.remat_group values (default: the run's)."""
   chunks = [base.model.mlp_chunk] if chunks is None else chunks
+  pairs = remats_with_groups(remats, [base.model.remat_group] if groups is None else groups, base.model.n_layers)
   varied = loss_chunks is not None
   wanted_losses = [base.model.loss_chunk] if loss_chunks is None else loss_chunks
   if base.mesh.ici.data > 0 and base.mesh.ici.tensor > 0:
@@ -94,14 +111,15 @@ def candidates(base: Config, strategies: list[str], seq_len: int, remats: list[s
       total = 1 if strategy == cases_lib.NONE else context * dcn["context"]
       for u in ulysses:
         local = seq_len // total
-        for remat, chunk, loss in itertools.product(remats, mlp_chunks_for(chunks, local),
-                                                    loss_chunks_for(wanted_losses, local) if varied else wanted_losses):
-          config = base.replace(**{"model.remat": remat, "model.mlp_chunk": chunk, "model.loss_chunk": loss,
+        for (remat, group), chunk, loss in itertools.product(
+            pairs, mlp_chunks_for(chunks, local), loss_chunks_for(wanted_losses, local) if varied else wanted_losses):
+          config = base.replace(**{"model.remat": remat, "model.remat_group": group, "model.mlp_chunk": chunk,
+                                   "model.loss_chunk": loss,
                                    "attention.ulysses_degree": u, "mesh.ici.context": context,
                                    "mesh.ici.fsdp": free // context})
           case = cases_lib.configure(config, strategy, seq_len, num_devices, num_slices, steps=steps,
                                      platform=platform)
-          out.append(Candidate(strategy, total, u, remat, chunk, case, loss if varied else None))
+          out.append(Candidate(strategy, total, u, remat, chunk, case, loss if varied else None, group))
   return out
 
 
@@ -117,6 +135,25 @@ def remat_flag(text: str | None, config: Config) -> list[str]:
   if not names:
     raise ConfigError(f"--remat is empty; name at least one of {', '.join(REMATS)}.")
   return list(dict.fromkeys(names))
+
+
+def remat_group_flag(text: str | None, config: Config, topology: bool) -> list[int]:
+  """--remat-group (default: the run's, and in topology mode also REMAT_GROUP, which only a length that fits no other
+  way needs: it costs a third forward)."""
+  if text is None:
+    return list(dict.fromkeys([config.model.remat_group] + ([REMAT_GROUP] if topology else [])))
+  try:
+    values = [int(s) for s in text.split(",") if s.strip()]
+  except ValueError:
+    values = [0]
+  if not values or min(values) < 1:
+    raise ConfigError(f"--remat-group is {text!r}; give comma-separated layer counts of at least 1 (layers per saved "
+                      "input, e.g. 1,2).")
+  return list(dict.fromkeys(values))
+
+
+# The remat group a topology plan tries besides the run's own: half the saved inputs, for one more forward.
+REMAT_GROUP = 2
 
 
 def mlp_chunk_flag(text: str | None, config: Config) -> list[int]:

@@ -9,7 +9,9 @@ kv = n_kv_heads·head_dim the model's widths per tensor shard, a / p the compute
              arrays of t tokens
   gradients  the float32 gradient of that shard: 4·P / shards
   saved      what each layer keeps for its backward, × n_layers, by model.remat: the layer input t·d·a (the scan
-             carry) under `full`; nothing in HBM under `full_offload` (host memory holds it); + the attention output
+             carry) under `full`; nothing in HBM under `full_offload` (host memory holds it); with model.remat_group
+             g > 1 one input per group (n_layers / g of them) and the g − 1 inputs inside the group being
+             differentiated; + the attention output
              and the kernel's float32 softmax statistics under `save_attention_out` (the kernels name both where
              they make them, so attention's forward does not run again: tests/test_attention.py); every matmul
              output under `save_dots`; every activation and the gathered weights under `none`
@@ -123,7 +125,10 @@ def memory(config: Config, sizes: dict[str, int], platform: str = "tpu") -> tupl
       "none": (3 * d + 3 * q + 4 * kv + 4 * f) * act + 2 * d * 4,
   }[m.remat]
   parts["saved"] = m.n_layers * (t * per_layer_saved + (layer_params * act if m.remat == "none" else 0))
-  host = m.n_layers * t * d * act if m.remat == "full_offload" else 0.0
+  groups = m.n_layers // m.remat_group
+  if m.remat_group > 1:   # one input per group is saved; a group's backward holds the inputs of its other layers
+    parts["saved"] = ((groups if m.remat == "full" else 0) + m.remat_group - 1) * t * d * act
+  host = groups * t * d * act if m.remat == "full_offload" else 0.0
 
   mlp_t = rows * divisor_at_most(m.mlp_chunk, per_row) if m.mlp_chunk else t
   mlp = 4 * mlp_t * f * act + (3 * d * f * 4 * 2 if mlp_t < t else 0)
@@ -158,7 +163,7 @@ def collective_bytes(config: Config, sizes: dict[str, int], platform: str = "tpu
     problem = trainer_lib.attention_problem(config, mesh, platform)
     traffic = attention.get(config.attention.strategy).traffic(problem, rows, m.head_dim, act)
     if traffic is not None:
-      runs = 1 if m.remat in ("none", "save_attention_out") else 2
+      runs = 1 if m.remat in ("none", "save_attention_out") else _forward_runs(m)
       out.update(traffic.step(m.n_layers, forward_runs=runs))
   g = mesh["fsdp"] * mesh["context"]
   params = metrics.param_count(m)
@@ -166,7 +171,7 @@ def collective_bytes(config: Config, sizes: dict[str, int], platform: str = "tpu
   if g > 1:
     vocab_params = 2 * m.vocab_size * m.d_model
     layer_params = (params - vocab_params) / tp
-    gathers = 1 if m.remat == "none" else 2
+    gathers = 1 if m.remat == "none" else _forward_runs(m)
     # An all-gather sends (G-1)/G of the whole array; on TPU it is an all-reduce of the whole array, twice that.
     gather = (g - 1) / g * (2 if platform == "tpu" else 1)
     zero += (layer_params * act * gathers + vocab_params / 2 / tp * (act + pb)) * gather
@@ -176,6 +181,13 @@ def collective_bytes(config: Config, sizes: dict[str, int], platform: str = "tpu
   if zero:
     out["zero"] = zero
   return out
+
+
+def _forward_runs(m) -> int:
+  """How often a layer's forward runs per step under `full` or `full_offload`: once, and again in its backward; with
+  model.remat_group > 1 once more, where its group's backward reruns the group to recover its layers' inputs (the
+  scan reruns every layer of the group, the last one's output unused)."""
+  return 3 if m.remat_group > 1 else 2
 
 
 def recomputed_flops(config: Config, sizes: dict[str, int] | None = None) -> float:
@@ -191,7 +203,8 @@ def recomputed_flops(config: Config, sizes: dict[str, int] | None = None) -> flo
   weights = 2.0 * (metrics.matmul_params(m) - m.d_model * m.vocab_size) * tokens
   attention_core = (metrics.flops_per_step(m, d.batch_size, d.seq_len) - 6.0 * metrics.matmul_params(m) * tokens) / 3
   forward = weights + attention_core
-  out = {"full": forward, "full_offload": forward, "save_attention_out": weights, "save_dots": attention_core,
+  again = (_forward_runs(m) - 1) * forward
+  out = {"full": again, "full_offload": again, "save_attention_out": weights, "save_dots": attention_core,
          "none": 0.0}[m.remat]
   local = d.seq_len // (sizes or {}).get("context", 1)
   if m.remat == "none" and 0 < m.mlp_chunk < local:

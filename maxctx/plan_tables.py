@@ -99,6 +99,10 @@ def _per_vm(r) -> str:
   return f"{r.host_per_host_bytes / 2**30:,.1f}{ram}"
 
 
+# How maxctx.plan's reason for a candidate it did not compile because of host memory begins.
+HOST_OVER = "not compiled: expected to keep"
+
+
 def verdict(rows: Rows, keeps_less: str | None = "--remat full,full_offload") -> str:
   """The one sentence that says what a length's plan is, or, when nothing fits, what came closest; `keeps_less` is how
   the reader asks for remat policies that keep less (maxctx.plan's flag by default; None where all were tried)."""
@@ -122,6 +126,12 @@ def verdict(rows: Rows, keeps_less: str | None = "--remat full,full_offload") ->
             f"the {r.hbm_per_device_bytes / 2**30:.1f} GiB of HBM; try more devices"
             + (f", a shorter length, or a remat policy that keeps less ({keeps_less})." if keeps_less else
                " or a shorter length."))
+  untried = [(c, r) for c, r in rows if r.status == "missing" and r.model_memory_total and r.hbm_per_device_bytes
+             and r.model_memory_total <= r.hbm_per_device_bytes and not (r.reason or "").startswith(HOST_OVER)]
+  if untried:   # e.g. --no-compile without reports for them
+    c, r = untried[0]
+    return (f"Nothing compiled fits: the first the cost model expects to fit, {c.label} "
+            f"({r.model_memory_total / 2**30:.1f} GiB per device), has no compiled step ({r.reason}).")
   expected = [(c, r) for c, r in rows if r.status == "missing" and r.model_memory_total and r.hbm_per_device_bytes
               and r.model_memory_total > r.hbm_per_device_bytes]
   if expected:

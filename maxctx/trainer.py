@@ -40,6 +40,7 @@ def validate(config: Config, num_devices: int, num_slices: int = 1, platform: st
   _check_batch(config, sizes)                                # the step's microbatches over the batch shards
   attention.validate(config.attention.strategy, attention_problem(config, sizes, platform))  # heads, layout, kernel
   _check_chunks(config, sizes)                               # the model's loss and MLP steps over local tokens
+  _check_remat_group(config)                                 # nested remat over groups of scanned layers
   _check_offload(config, sizes, platform or jax.default_backend())   # what libtpu can copy to host memory
   return sizes
 
@@ -70,16 +71,46 @@ def _check_chunks(config: Config, sizes: dict[str, int]) -> None:
 
 # libtpu (0.0.50.1) aborts compiling a host-offload copy of exactly 4 GiB ("Check failed: index_space_.start <=
 # index_space_.limit (0 vs. -1)": a 32-bit count wrapped to 0); one of 4 GiB + 32 MiB compiled, but were the count the
-# same 32 bits it would copy 32 MiB, and nothing short of a TPU shows which. So no copy of 4 GiB or more is let through.
+# same 32 bits it would copy 32 MiB, and nothing short of a TPU shows which. So no copy of 4 GiB or more is made: a
+# larger saved input goes to host memory in slices of the model width (offload_pieces).
 OFFLOAD_COPY_LIMIT = 2**32
 
 
+def _check_remat_group(config: Config) -> None:
+  m = config.model
+  if m.remat_group == 1:
+    return
+  if m.remat not in ("full", "full_offload"):
+    raise ConfigError(f"model.remat_group {m.remat_group} groups layers only under model.remat full or full_offload, "
+                      f"not {m.remat}; set model.remat_group: 1 or one of those policies.")
+  if not m.scan_layers:
+    raise ConfigError(f"model.remat_group {m.remat_group} needs model.scan_layers: true (the groups are slices of the "
+                      "scanned layers); set it, or model.remat_group: 1.")
+  if m.n_layers % m.remat_group:
+    raise ConfigError(f"model.remat_group {m.remat_group} does not divide the model's {m.n_layers} layers; choose a "
+                      "divisor of model.n_layers.")
+
+
+# A slice of the width is a whole number of TPU lanes, so each copy moves rows of whole tiles.
+OFFLOAD_SLICE_MULTIPLE = 128
+
+
+def offload_pieces(config: Config, sizes: dict[str, int]) -> int:
+  """Slices of the model width each saved input is copied to host memory in: the fewest, each a multiple of
+  OFFLOAD_SLICE_MULTIPLE wide, that keep every copy under OFFLOAD_COPY_LIMIT (1 under policies that offload nothing;
+  0 if none do)."""
+  m = config.model
+  saved = offloaded_bytes_per_device(config, sizes) // (m.n_layers // m.remat_group)
+  return next((p for p in range(1, m.d_model + 1) if m.d_model % p == 0 and saved // p < OFFLOAD_COPY_LIMIT
+               and (p == 1 or (m.d_model // p) % OFFLOAD_SLICE_MULTIPLE == 0)), 0)
+
+
 def _check_offload(config: Config, sizes: dict[str, int], platform: str) -> None:
-  per_layer = offloaded_bytes_per_device(config, sizes) // config.model.n_layers
-  if platform == "tpu" and per_layer >= OFFLOAD_COPY_LIMIT:
-    raise ConfigError(f"model.remat full_offload would copy each layer's saved input of {per_layer / 2**20:,.0f} MiB "
-                      f"per device to host memory, and libtpu cannot compile copies of {OFFLOAD_COPY_LIMIT // 2**20:,} "
-                      "MiB or more; put more devices on mesh.ici.context or shorten data.seq_len.")
+  if platform == "tpu" and not offload_pieces(config, sizes):
+    raise ConfigError("model.remat full_offload cannot copy the saved layer inputs to host memory in slices of the "
+                      f"model width under {OFFLOAD_COPY_LIMIT // 2**20:,} MiB (each a multiple of "
+                      f"{OFFLOAD_SLICE_MULTIPLE} wide), which libtpu needs; put more devices on mesh.ici.context or "
+                      "shorten data.seq_len.")
 
 
 def attention_problem(config: Config, sizes: dict[str, int], platform: str | None = None) -> attention.Problem:
@@ -97,7 +128,8 @@ def build_model(config: Config, mesh: Mesh | None) -> Transformer:
   if mesh is not None:
     attention_fn = attention.build(a.strategy, mesh, kernel=a.kernel, load_balance=a.load_balance,
                                    ulysses_degree=a.ulysses_degree, block_q=a.block_q, block_kv=a.block_kv)
-  return Transformer(config.model, attention_fn)
+  pieces = max(1, offload_pieces(config, dict(mesh.shape))) if mesh is not None else 1
+  return Transformer(config.model, attention_fn, pieces)
 
 
 def init_params(model: Transformer, rng: jax.Array, seq_len: int) -> Any:
@@ -116,13 +148,14 @@ def param_shapes(model: Transformer, mesh: Mesh, seq_len: int) -> tuple[Any, Any
 
 
 def offloaded_bytes_per_device(config: Config, sizes: dict[str, int]) -> int:
-  """Host memory that `remat: full_offload` fills per device: every layer's saved input, [rows, tokens, d_model] of
-  one microbatch in the compute dtype (0 under the other policies)."""
+  """Host memory that `remat: full_offload` fills per device: every layer group's saved input (every layer's, with
+  model.remat_group 1), [rows, tokens, d_model] of one microbatch in the compute dtype (0 under the other policies)."""
   m, d = config.model, config.data
   if m.remat != "full_offload":
     return 0
   rows = max(1, d.batch_size // config.optim.grad_accum // (sizes["data"] * sizes["fsdp"]))
-  return m.n_layers * rows * (d.seq_len // sizes["context"]) * m.d_model * jnp.dtype(m.dtype).itemsize
+  saved = m.n_layers // m.remat_group
+  return saved * rows * (d.seq_len // sizes["context"]) * m.d_model * jnp.dtype(m.dtype).itemsize
 
 
 @dataclasses.dataclass

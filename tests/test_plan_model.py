@@ -29,12 +29,12 @@ def _all_devices_on_context(config):
 
 
 def test_memory_estimate_against_every_compiled_recipe_in_the_readme():
-  # The model is the planner's guide to what to compile, not the judge of fit: on the README's nine compiled
+  # The model is the planner's guide to what to compile, not the judge of fit: on the README's ten compiled
   # recipes (two TPU generations' compilers, 1M to 32M tokens, blockwise and flash, full and full_offload, ring and
   # usp) it is within 25% of the compiler's total, and it errs low, where the compiler keeps more than one phase's
   # buffers.
   recipes = _compiled_recipes()
-  assert len(recipes) == 9, "the README's recipe table changed shape; update this parser"
+  assert len(recipes) == 10, "the README's recipe table changed shape; update this parser"
   errors = {}
   for name, compiled in recipes.items():
     config = config_lib.load(f"configs/recipes/{name}.yml")
@@ -46,13 +46,14 @@ def test_memory_estimate_against_every_compiled_recipe_in_the_readme():
 
 
 def _swept() -> list[tuple]:
-  """(tokens, topology, strategy, ulysses, remat, MLP chunk, compiled GiB, compiled collective GB) per row of the
-  README's table of the planner's 1M-32M sweeps (what `python -m maxctx.plan --topology` compiled and chose)."""
-  rows = re.findall(r"^\| ([\d,]+) \| ([\w-]+) \| (ring|usp u=2) \| (\w+) \| ([\d,]+|—) \| ([\d.]+) \| [\d.]+ \| "
-                    r"([\d,.]+) \| ", README.read_text(), re.M)
-  return [(int(t.replace(",", "")), topo, s.split()[0], 2 if "u=2" in s else None, remat,
+  """(tokens, topology, strategy, ulysses, remat, remat group, MLP chunk, compiled GiB, compiled collective GB) per
+  row of the README's table of the planner's 1M-32M sweeps (what `python -m maxctx.plan --topology` compiled and
+  chose)."""
+  rows = re.findall(r"^\| ([\d,]+) \| ([\w-]+) \| (ring|usp u=2) \| (\w+)(?: \(remat_group (\d+)\))? \| ([\d,]+|—) \| "
+                    r"([\d.]+) \| [\d.]+ \| ([\d,.]+) \| ", README.read_text(), re.M)
+  return [(int(t.replace(",", "")), topo, s.split()[0], 2 if "u=2" in s else None, remat, int(group or 1),
            0 if chunk == "—" else int(chunk.replace(",", "")), float(gib), float(coll.replace(",", "")))
-          for t, topo, s, remat, chunk, gib, coll in rows]
+          for t, topo, s, remat, group, chunk, gib, coll in rows]
 
 
 def test_memory_and_collective_bytes_against_the_planners_compiled_sweeps_in_the_readme():
@@ -60,11 +61,11 @@ def test_memory_and_collective_bytes_against_the_planners_compiled_sweeps_in_the
   # model's memory per device is within 15% of the compiler's total and its collective bytes per device within 10% of
   # those maxctx.bench counts in the compiled HLO (the ring's passes included: scopes.trips).
   rows = _swept()
-  assert len(rows) == 9, "the README's sweep table changed shape; update this parser"
-  for tokens, topo_name, strategy, ulysses, remat, chunk, gib, coll in rows:
+  assert len(rows) == 10, "the README's sweep table changed shape; update this parser"
+  for tokens, topo_name, strategy, ulysses, remat, group, chunk, gib, coll in rows:
     config = config_lib.load(f"configs/recipes/llama3.1-8b-14m-ring-{topo_name}.yml", [
-        f"data.seq_len={tokens}", f"attention.strategy={strategy}", f"model.remat={remat}", f"model.mlp_chunk={chunk}"]
-        + ([f"attention.ulysses_degree={ulysses}"] if ulysses else []))
+        f"data.seq_len={tokens}", f"attention.strategy={strategy}", f"model.remat={remat}", f"model.mlp_chunk={chunk}",
+        f"model.remat_group={group}"] + ([f"attention.ulysses_degree={ulysses}"] if ulysses else []))
     sizes, topo = _all_devices_on_context(config)
     est = plan_model.estimate(config, sizes, topo)
     where = (tokens, topo_name, strategy, remat)
@@ -129,6 +130,37 @@ def test_a_chunked_mlp_costs_the_flops_the_model_says_in_the_compiled_step():
         flops(base.replace(**{"model.remat": remat, "model.mlp_chunk": chunk})) for chunk in (0, 64))
     assert chunked - whole == pytest.approx(model_chunked - model_whole, rel=1e-6, abs=1.0), remat
     assert (chunked > whole) == (remat == "none")
+
+
+def test_a_remat_group_costs_the_forward_the_model_says_in_the_compiled_step():
+  # model.remat_group 2: a group's backward reruns the group's forward to recover its inner input, and the scan runs
+  # every layer of the group again (the last one's output unused), so the whole forward runs once more; the model
+  # counts that (plan_model._forward_runs). The dots of the compiled CPU step, loops' trip counts included, agree:
+  # grouping adds what `full` adds to `none` (one forward as compiled: its attention dots are not the causal half the
+  # model counts, so each is compared with its own), and the MLP's down projection, which `full`'s rerun drops (its
+  # output is not needed for the gradients) and the group's rerun cannot (the next layer takes it). The model counts
+  # the whole forward both times: it is that projection high under `full` (0.4% of the 8B model's step at 1M tokens).
+  import jax
+  from maxctx import hlo
+  from maxctx import mesh as mesh_lib
+  from maxctx.compile import abstract_args
+  base = config_lib.load("configs/bench.yml", [
+      "mesh.ici.fsdp=1", "mesh.ici.context=1", "attention.strategy=all_gather", "data.batch_size=1",
+      "data.seq_len=256", "model.n_layers=4", "model.remat=full"])
+  mesh = mesh_lib.build_mesh(base.mesh, jax.devices()[:1])
+
+  def flops(group, remat="full"):
+    config = base.replace(**{"model.remat_group": group, "model.remat": remat})
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      trainer = trainer_lib.Trainer(config, mesh)
+      text = trainer.step.lower(*abstract_args(trainer, config)).compile().as_text()
+    return hlo.dot_flops(text), plan_model.recomputed_flops(config, {"context": 1})
+
+  (none, model_none), (plain, model_plain), (grouped, model_grouped) = flops(1, "none"), flops(1), flops(2)
+  assert model_none == 0 and model_grouped == pytest.approx(2 * model_plain)
+  m = base.model
+  down = 2 * base.data.seq_len * m.d_ff * m.d_model * m.n_layers
+  assert plain > none and grouped - plain == pytest.approx(plain - none + down, rel=1e-6)
 
 
 def test_collective_bytes_are_the_strategys_traffic_plus_zero3():

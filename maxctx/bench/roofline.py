@@ -3,7 +3,8 @@ returns is an estimate, and is labelled so wherever it is printed or plotted.
 
 The model, per device, from the compile report of `maxctx.compile.compile_for` and the step's collective bytes
 (maxctx.hlo, loop trip counts included):
-  compute  = analytic model FLOPs per device × 4/3 under `remat: full` or `full_offload` (the forward runs twice);
+  compute  = analytic model FLOPs per device × 4/3 under `remat: full` or `full_offload` (the forward runs twice;
+             × 5/3 with model.remat_group > 1, where it runs three times);
              under `save_attention_out`, `save_dots` and `none` plus the forward FLOPs they rerun when the caller
              gives them (maxctx.plan_model.recomputed_flops: the projections and the MLP, or attention, or a chunked
              MLP's gate and up), else none
@@ -79,7 +80,9 @@ def estimate(report: CompileReport, topo: topology_lib.Topology,
   chip = chip_for(topo)
   per_chip = topo.generation.devices_per_chip
   peak = chip.bf16_tflops * 1e12 / per_chip
-  remat = 4 / 3 if report.remat in ("full", "full_offload") else 1.0
+  remat = 1.0
+  if report.remat in ("full", "full_offload"):   # the forward (a third of the step) once more; twice more in groups
+    remat = 5 / 3 if ((report.step or {}).get("model") or {}).get("remat_group", 1) > 1 else 4 / 3
   if report.remat in ("save_attention_out", "save_dots", "none") and recomputed_flops:
     remat = 1.0 + recomputed_flops / report.flops_per_step
   compute_s = report.flops_per_device * remat / peak

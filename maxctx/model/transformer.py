@@ -127,13 +127,27 @@ def _swiglu(x_BTD, w_gate, w_up, w_down):
   return constrain(jnp.einsum("btf,fd->btd", nn.silu(gate_BTF) * up_BTF, w_down), ("batch", "seq", "act_embed"))
 
 
+def saved_input(x_BTD, pieces: int = 1):
+  """The layer's (or layer group's) input, named for the remat policies that save it. In `pieces` > 1 slices of the
+  model width, each saved on its own: libtpu cannot copy 4 GiB or more to host memory at once (maxctx.trainer).
+  `pieces` 0 leaves it unnamed: an enclosing remat's policy sees the names inside, so a layer within a remat group
+  must not name its input, or every layer's would be saved after all."""
+  if pieces == 0:
+    return x_BTD
+  if pieces == 1:
+    return checkpoint_name(x_BTD, "layer_input")
+  parts = jnp.split(x_BTD, pieces, axis=-1)
+  return jnp.concatenate([checkpoint_name(p, "layer_input") for p in parts], axis=-1)
+
+
 class Block(nn.Module):
   cfg: ModelConfig
   attention_fn: Callable
+  offload_pieces: int = 1   # how its input is named for remat (saved_input); 0 inside a remat group
 
   @nn.compact
   def __call__(self, x_BTD, cos_BTF, sin_BTF, segment_ids, positions):
-    x_BTD = checkpoint_name(x_BTD, "layer_input")
+    x_BTD = saved_input(x_BTD, self.offload_pieces)
     with jax.named_scope("attention_block"):
       h = Attention(self.cfg, self.attention_fn, name="attn")(RMSNorm(self.cfg, name="attn_norm")(x_BTD),
                                                                cos_BTF, sin_BTF, segment_ids, positions)
@@ -148,6 +162,7 @@ class Transformer(nn.Module):
   module, applied outside it: `token_loss` in training, `logits` for whole-vocabulary scores."""
   cfg: ModelConfig
   attention_fn: Callable | None = None
+  offload_pieces: int = 1          # slices of a saved layer input copied to host one by one (saved_input)
 
   @nn.compact
   def __call__(self, tokens_BT, segment_ids_BT, positions_BT):
@@ -167,19 +182,46 @@ class Transformer(nn.Module):
     block = Block
     if c.remat != "none":
       block = nn.remat(Block, policy=REMAT_POLICIES[c.remat], prevent_cse=not c.scan_layers)
-    if c.scan_layers:
+    args = (cos_BTF, sin_BTF, segment_ids_BT, positions_BT)
+    if c.remat_group > 1 and c.scan_layers and not self.is_initializing():
+      x_BTD = grouped_layers(c, attention_fn, self.offload_pieces, nn.unbox(self.variables["params"]["layers"]),
+                             x_BTD, *args)
+    elif c.scan_layers:
       stack = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
                       in_axes=(nn.broadcast,) * 4, length=c.n_layers,
                       metadata_params={nn.PARTITION_NAME: "layers"})
-      x_BTD, _ = stack(c, attention_fn, name="layers")(x_BTD, cos_BTF, sin_BTF, segment_ids_BT, positions_BT)
+      x_BTD, _ = stack(c, attention_fn, self.offload_pieces, name="layers")(x_BTD, *args)
     else:
       for i in range(c.n_layers):
-        x_BTD, _ = block(c, attention_fn, name=f"layers_{i}")(x_BTD, cos_BTF, sin_BTF, segment_ids_BT, positions_BT)
+        x_BTD, _ = block(c, attention_fn, self.offload_pieces, name=f"layers_{i}")(x_BTD, *args)
 
     # Declared here so that `init` makes it; used by `head` below.
     self.param("lm_head", nn.with_logical_partitioning(nn.initializers.normal(c.init_std), ("embed", "vocab")),
                (c.d_model, c.vocab_size), _dtype(c.param_dtype))
     return RMSNorm(c, name="final_norm")(x_BTD)
+
+
+def grouped_layers(c: ModelConfig, attention_fn: Callable, pieces: int, stacked, x_BTD, *args):
+  """The scanned layers under `model.remat_group` g > 1 (nested remat): the forward saves only each group's input (to
+  host memory under full_offload); the backward reruns a group's forward from it, keeping the g − 1 inputs inside the
+  group, and then each layer's backward reruns that layer as `full` does. The parameters stay stacked per layer, as
+  `nn.scan` made them at init, and are only viewed as [groups, g, ...] here, so checkpoints and HF conversion do not
+  depend on g."""
+  g = c.remat_group
+  groups = jax.tree.map(lambda p: p.reshape(c.n_layers // g, g, *p.shape[1:]), stacked)
+  block = Block(c, attention_fn, offload_pieces=0)
+
+  def layer(x, params):
+    return block.apply({"params": params}, x, *args)
+
+  layer = jax.checkpoint(layer, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)
+
+  def group(x, params):
+    x, _ = jax.lax.scan(layer, saved_input(x, pieces), params)
+    return x, None
+
+  group = jax.checkpoint(group, policy=REMAT_POLICIES[c.remat], prevent_cse=False)
+  return jax.lax.scan(group, x_BTD, groups)[0]
 
 
 def head(params) -> jax.Array:
