@@ -31,6 +31,9 @@ def reference(tmp_path_factory):
     # ... nor does keeping each layer's input in host memory (the v5p 14M recipes' remat; on the CPU host and device
     # memory are one, so this checks numerics; test_compile checks the inputs leave a TPU's HBM).
     pytest.param(["attention.strategy=ring", "model.remat=full_offload"], id="ring-offload"),
+    # ... nor does saving one input per pair of layers (model.remat_group, the v5p 32M recipe's nested remat).
+    pytest.param(["attention.strategy=ring", "model.remat=full_offload", "model.remat_group=2"],
+                 id="ring-offload-pairs"),
     pytest.param(["attention.strategy=all_gather"], id="all_gather", marks=pytest.mark.slow),
     pytest.param(["attention.strategy=ulysses"], id="ulysses", marks=pytest.mark.slow),
     pytest.param(["attention.strategy=usp", "attention.ulysses_degree=2"], id="usp-2x4", marks=pytest.mark.slow),
