@@ -29,8 +29,8 @@ more than maxctx.train's share of a host VM's RAM with offloaded layer inputs (a
 (`--compile 0` compiles every candidate). Compiles are cached under --out, or reused from --reports. A compiled
 candidate is estimated with maxctx.bench's roofline from its compiled memory and collectives; the plan is the compiled
 candidate that fits with the least such estimated step time (ties, common when every candidate is compute-bound, go to
-the one needing less memory). When nothing fits, the plan says which candidate came closest and by how many GiB. plan.md lists the model's
-estimate beside the compiler's for every candidate.
+the one needing less memory). When nothing fits, the plan says which candidate came closest and by how many GiB.
+plan.md lists the model's estimate beside the compiler's for every candidate.
 
 Writes to --out (default <run.output_dir>/plan, or plan-<topology>): plan.md (every candidate, ranked), plan.jsonl (one
 record each) and recipe.yml -- the run file with the chosen strategy, mesh, remat and MLP chunk, which `maxctx.train`
@@ -152,10 +152,12 @@ def estimate_all(cands: list[Candidate], n: int, slices: int, out: pathlib.Path,
                  compile_missing: bool, budget: int) -> list[report.Record]:
   """Estimates every valid candidate with the cost model (maxctx.plan_model), then takes them in its order -- least
   estimated step time among those expected to fit, then least memory -- and compiles each for the topology in its
-  config: `budget` compiles, past that only until one fits (0: every candidate). The memory expected of a candidate is the
-  model's, scaled by the largest compiled / modelled ratio seen so far under its remat policy (the model errs most
-  in what a policy saves), so one compile that does not fit spares its siblings. Reports are cached under `out` or
-  taken from `reports`; a candidate with one is estimated by maxctx.bench's roofline from it. Logs each."""
+  config: `budget` compiles, past that only until one fits (0: every candidate). The memory expected of a candidate is
+  the model's, scaled by the largest compiled / modelled ratio seen so far under its remat policy and layer group (the
+  model errs most in what a policy saves), so one compile that does not fit spares its siblings. A candidate whose
+  offloaded layer inputs would fill more than HOST_MEMORY_SHARE of a host VM's RAM is not compiled (the model's host
+  bytes are the compiler's). Reports are cached under `out` or taken from `reports`; a candidate with one is estimated
+  by maxctx.bench's roofline from it. Logs each."""
   from maxctx import plan_model
   from maxctx import topology as topology_lib
   from maxctx.bench import aot
@@ -164,14 +166,14 @@ def estimate_all(cands: list[Candidate], n: int, slices: int, out: pathlib.Path,
   sizes = {c: mesh_lib.axis_sizes(c.case.config.mesh, n, slices) for c in valid}
   model = {c: plan_model.estimate(c.case.config, sizes[c], topo) for c in valid}
   hbm = topo.hbm_bytes if topo else 0
-  ratio: dict[str, float] = {}   # remat policy -> compiled / modelled memory, the largest seen
+  ratio: dict[tuple[str, int], float] = {}   # (remat, remat group) -> compiled / modelled memory, the largest seen
   # What full_offload keeps in a host VM's RAM is exactly its saved inputs (the model's figure is the compiler's), so
   # a candidate over maxctx.train's share of that RAM is not compiled.
   per_host = (topo.devices_per_host or 0) if topo else 0
   ram = (topo.generation.chip.host_ram_bytes or 0) if topo else 0
 
   def expected(c: Candidate) -> float:
-    return model[c].total * ratio.get(c.remat, 1.0)
+    return model[c].total * ratio.get(_policy(c), 1.0)
 
   def host_over(c: Candidate) -> bool:
     return bool(per_host and ram) and model[c].host * per_host > chips_lib.HOST_MEMORY_SHARE * ram
@@ -189,11 +191,11 @@ def estimate_all(cands: list[Candidate], n: int, slices: int, out: pathlib.Path,
     compiled += (rec.source or "").startswith("compiled")
     fitting += chosen(rec)
     if rec.memory_compiled:
-      ratio[cand.remat] = max(ratio.get(cand.remat, 0.0), rec.memory_compiled["total"] / est.total)
+      ratio[_policy(cand)] = max(ratio.get(_policy(cand), 0.0), rec.memory_compiled["total"] / est.total)
     if rec.status == "missing" and compile_missing and budget and want > NOT_WORTH_COMPILING * hbm:
-      scaled = (f" (the cost model's {est.total / 2**30:.1f} × {ratio[cand.remat]:.2f}, as compiled under "
-                f"remat={cand.remat})" if cand.remat in ratio else "")
-      rec.set(reason=f"not compiled: expected to need {want / 2**30:.1f} GiB per device of {hbm / 2**30:.1f} GiB "
+      scaled = (f" (the cost model's {est.total / 2**30:.1f} × {ratio[_policy(cand)]:.2f}, as compiled under "
+                f"remat={cand.remat}{_group(cand)})" if _policy(cand) in ratio else "")
+      rec.set(reason=f"{plan_tables.HBM_OVER} {want / 2**30:.1f} GiB per device of {hbm / 2**30:.1f} GiB "
                      f"HBM{scaled}")
     elif rec.status == "missing" and compile_missing and budget and host_over(cand):
       rec.set(reason=f"{plan_tables.HOST_OVER} {est.host * per_host / 2**30:.1f} GiB of saved layer inputs "
@@ -207,6 +209,14 @@ def estimate_all(cands: list[Candidate], n: int, slices: int, out: pathlib.Path,
              "fits" if chosen(rec) else rec.reason or rec.status)
     records[cand] = rec
   return [records[c] for c in valid]
+
+
+def _policy(c: Candidate) -> tuple[str, int]:
+  return c.remat, c.remat_group
+
+
+def _group(c: Candidate) -> str:
+  return f" remat_group={c.remat_group}" if c.remat_group > 1 else ""
 
 
 def _order(rec: report.Record) -> tuple:

@@ -52,16 +52,19 @@ def _what(config: Config) -> str:
 
 def _candidates(config: Config, n: int, slices: int, platform: str | None = None) -> list[plan_candidates.Candidate]:
   """What the planner tries for this run: with `attention.strategy: auto` every strategy and split of the fsdp ×
-  context devices, else the run's strategy on its mesh; under every remat policy with `model.remat: auto`, else the
-  run's; with the run's MLP chunk."""
-  remats = list(plan_candidates.REMATS) if config.model.remat == plan_candidates.AUTO else [config.model.remat]
+  context devices, else the run's strategy on its mesh; under every remat policy with `model.remat: auto` (for a
+  slice, `full` and `full_offload` also in pairs of layers), else the run's; with the run's MLP chunk."""
+  remat_auto = config.model.remat == plan_candidates.AUTO
+  remats = list(plan_candidates.REMATS) if remat_auto else [config.model.remat]
+  # With `model.remat: auto` for a slice, layer groups as `maxctx.plan --topology` tries them; else the run's group.
+  groups = plan_candidates.remat_group_flag(None, config, topology=remat_auto and platform == "tpu")
   seq_len = config.data.seq_len
   if config.attention.strategy == attention.AUTO:
     strategies = cases_lib.parse_strategies(cases_lib.DEFAULT_STRATEGIES)
-    return plan_candidates.candidates(config, strategies, seq_len, remats, n, slices, platform=platform)
+    return plan_candidates.candidates(config, strategies, seq_len, remats, n, slices, platform=platform,
+                                      groups=groups)
   out = []
-  # The run's model.remat_group, under the policies that group layers (1 under the others).
-  for remat, group in plan_candidates.remats_with_groups(remats, [config.model.remat_group], config.model.n_layers):
+  for remat, group in plan_candidates.remats_with_groups(remats, groups):
     case = cases_lib.configure(config.replace(**{REMAT: remat, REMAT_GROUP: group}),
                                config.attention.strategy, seq_len, n, slices, platform=platform)
     context = case.config.mesh.ici.context * case.config.mesh.dcn.context if case.config else 0

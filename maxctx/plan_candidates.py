@@ -15,6 +15,7 @@ from maxctx import mesh as mesh_lib
 from maxctx.bench import plan as cases_lib
 from maxctx.config import MESH_AXES, Config, ModelConfig
 from maxctx.errors import ConfigError
+from maxctx.model.transformer import GROUPED_REMATS
 
 AUTO = "auto"   # model.remat: auto asks the planner to try every policy
 REMATS = tuple(r for r in typing.get_args(typing.get_type_hints(ModelConfig)["remat"]) if r != AUTO)   # the policies
@@ -75,14 +76,11 @@ def loss_chunks_for(wanted: list[int], local: int) -> list[int]:
   return list(dict.fromkeys(min(c, local) for c in wanted))
 
 
-def remats_with_groups(remats: list[str], groups: list[int], n_layers: int) -> list[tuple[str, int]]:
-  """(policy, model.remat_group) pairs: the groups of `groups` that divide the layers, under the policies that save
-  only layer inputs (full, full_offload); 1 under the others."""
-  return list(dict.fromkeys((r, g if r in GROUPED_REMATS and n_layers % g == 0 else 1)
-                            for r in remats for g in groups))
+def remats_with_groups(remats: list[str], groups: list[int]) -> list[tuple[str, int]]:
+  """(policy, model.remat_group) pairs: every group of `groups` under the policies that save only layer inputs (full,
+  full_offload; one that does not divide the layers is refused with validate's sentence), 1 under the others."""
+  return list(dict.fromkeys((r, g if r in GROUPED_REMATS else 1) for r in remats for g in groups))
 
-
-GROUPED_REMATS = ("full", "full_offload")
 
 
 def candidates(base: Config, strategies: list[str], seq_len: int, remats: list[str], num_devices: int,
@@ -94,7 +92,7 @@ def candidates(base: Config, strategies: list[str], seq_len: int, remats: list[s
   model.loss_chunk values (default: the run's, and then not in the candidates' labels), `groups` the
   model.remat_group values (default: the run's)."""
   chunks = [base.model.mlp_chunk] if chunks is None else chunks
-  pairs = remats_with_groups(remats, [base.model.remat_group] if groups is None else groups, base.model.n_layers)
+  pairs = remats_with_groups(remats, [base.model.remat_group] if groups is None else groups)
   varied = loss_chunks is not None
   wanted_losses = [base.model.loss_chunk] if loss_chunks is None else loss_chunks
   if base.mesh.ici.data > 0 and base.mesh.ici.tensor > 0:
@@ -138,10 +136,10 @@ def remat_flag(text: str | None, config: Config) -> list[str]:
 
 
 def remat_group_flag(text: str | None, config: Config, topology: bool) -> list[int]:
-  """--remat-group (default: the run's, and in topology mode also REMAT_GROUP, which only a length that fits no other
-  way needs: it costs a third forward)."""
+  """--remat-group (default: the run's; in topology mode also 1 and REMAT_GROUP, which only a length that fits no
+  other way needs: it costs a third forward)."""
   if text is None:
-    return list(dict.fromkeys([config.model.remat_group] + ([REMAT_GROUP] if topology else [])))
+    return list(dict.fromkeys([config.model.remat_group] + ([1, REMAT_GROUP] if topology else [])))
   try:
     values = [int(s) for s in text.split(",") if s.strip()]
   except ValueError:

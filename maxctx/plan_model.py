@@ -32,8 +32,9 @@ steps (tests/test_plan_model.py, README) and the compile, not the model, decides
 
 Collective bytes per device per step, counted as maxctx.hlo counts a compiled step (all-gather b·(G−1), reduce-scatter
 b·(G−1)/G, all-reduce 2b·(G−1)/G): the strategy's attention traffic (Strategy.traffic, forward twice where remat
-recomputes it) and ZeRO-3's: each layer's weights gathered in the compute dtype for the forward and again for the
-backward (once, where remat is `none` and the forward keeps them), their gradient reduce-scattered, and the
+recomputes it, three times in layer groups) and ZeRO-3's: each layer's weights gathered in the compute dtype for the
+forward and again for the backward (once, where remat is `none` and the forward keeps them; once more in layer groups,
+whose backward reruns the group's forward), their gradient reduce-scattered, and the
 embedding and head likewise once per step. On TPU the compiler lowers these gathers as all-reduces of the whole
 (zero-padded) array, which count twice the bytes (measured: README).
 
@@ -186,18 +187,19 @@ def collective_bytes(config: Config, sizes: dict[str, int], platform: str = "tpu
 def _forward_runs(m) -> int:
   """How often a layer's forward runs per step under `full` or `full_offload`: once, and again in its backward; with
   model.remat_group > 1 once more, where its group's backward reruns the group to recover its layers' inputs (the
-  scan reruns every layer of the group, the last one's output unused)."""
+  scan reruns every layer of the group, the last one's output unused: maxctx.model.transformer.grouped_layers)."""
   return 3 if m.remat_group > 1 else 2
 
 
 def recomputed_flops(config: Config, sizes: dict[str, int] | None = None) -> float:
   """The forward FLOPs that remat runs again in the backward: the layers' whole forward under `full` and
-  `full_offload`; their projections and MLP under `save_attention_out` (attention's output and softmax statistics are
-  kept, so attention itself is not rerun); attention alone under `save_dots` (its output is no dot, and the output
-  projection's gradient needs it); nothing under `none`. A chunked MLP (model.mlp_chunk below the tokens per device of
-  mesh `sizes`) rematerializes each step, so under `none` its gate and up projections run again; under the other
-  policies it costs nothing more (counted: the dot FLOPs of the compiled CPU step, loops' trip counts included, are
-  the same chunked and not under them, and greater by exactly those two projections under `none`)."""
+  `full_offload` (twice with model.remat_group > 1: `_forward_runs`); their projections and MLP under
+  `save_attention_out` (attention's output and softmax statistics are kept, so attention itself is not rerun);
+  attention alone under `save_dots` (its output is no dot, and the output projection's gradient needs it); nothing
+  under `none`. A chunked MLP (model.mlp_chunk below the tokens per device of mesh `sizes`) rematerializes each step,
+  so under `none` its gate and up projections run again; under the other policies it costs nothing more (counted: the
+  dot FLOPs of the compiled CPU step, loops' trip counts included, are the same chunked and not under them, and
+  greater by exactly those two projections under `none`)."""
   m, d = config.model, config.data
   tokens = d.batch_size * d.seq_len
   weights = 2.0 * (metrics.matmul_params(m) - m.d_model * m.vocab_size) * tokens

@@ -99,8 +99,10 @@ def _per_vm(r) -> str:
   return f"{r.host_per_host_bytes / 2**30:,.1f}{ram}"
 
 
-# How maxctx.plan's reason for a candidate it did not compile because of host memory begins.
+# How maxctx.plan's reasons for a candidate it did not compile because of host memory, or of HBM (the model's figure
+# scaled by what a compile taught it), begin.
 HOST_OVER = "not compiled: expected to keep"
+HBM_OVER = "not compiled: expected to need"
 
 
 def verdict(rows: Rows, keeps_less: str | None = "--remat full,full_offload") -> str:
@@ -127,7 +129,8 @@ def verdict(rows: Rows, keeps_less: str | None = "--remat full,full_offload") ->
             + (f", a shorter length, or a remat policy that keeps less ({keeps_less})." if keeps_less else
                " or a shorter length."))
   untried = [(c, r) for c, r in rows if r.status == "missing" and r.model_memory_total and r.hbm_per_device_bytes
-             and r.model_memory_total <= r.hbm_per_device_bytes and not (r.reason or "").startswith(HOST_OVER)]
+             and r.model_memory_total <= r.hbm_per_device_bytes
+             and not (r.reason or "").startswith((HOST_OVER, HBM_OVER))]
   if untried:   # e.g. --no-compile without reports for them
     c, r = untried[0]
     return (f"Nothing compiled fits: the first the cost model expects to fit, {c.label} "
@@ -139,4 +142,10 @@ def verdict(rows: Rows, keeps_less: str | None = "--remat full,full_offload") ->
     return (f"Nothing fits: none was worth compiling, and the closest, {c.label}, is expected by the cost model "
             f"to need {(r.model_memory_total - r.hbm_per_device_bytes) / 2**30:.1f} GiB per device "
             f"more than the {r.hbm_per_device_bytes / 2**30:.1f} GiB of HBM; try more devices or a shorter length.")
+  host = [(c, r) for c, r in rows if r.status == "missing" and (r.reason or "").startswith(HOST_OVER)]
+  if host:   # fits HBM, but its offloaded layer inputs would not fit the host VM's RAM
+    c, r = host[0]
+    return (f"Nothing fits: {c.label} would fit HBM ({r.model_memory_total / 2**30:.1f} GiB per device), but was "
+            f"{r.reason.removeprefix('not compiled: ')}; try one saved input per pair of layers (--remat-group 2), "
+            "more devices or a shorter length.")
   return "Nothing fits or nothing was compiled; the reasons are below."

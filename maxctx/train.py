@@ -167,14 +167,15 @@ def host_memory_bytes() -> int:
 
 
 def _check_host_memory(config: config_lib.Config, sizes: dict[str, int]) -> None:
-  """`remat: full_offload` parks every layer's saved input in host memory; refuse before compiling if this host's
-  devices would need more than most of its RAM (the kernel would kill the process mid-step instead)."""
+  """`remat: full_offload` parks every layer's (or layer group's) saved input in host memory; refuse before compiling
+  if this host's devices would need more than most of its RAM (the kernel would kill the process mid-step instead)."""
   need = offloaded_bytes_per_device(config, sizes) * jax.local_device_count()
   have = host_memory_bytes()
   if need > HOST_MEMORY_SHARE * have:
     raise ConfigError(f"model.remat full_offload would keep {need / 2**20:,.0f} MiB of saved layer inputs in this "
-                      f"host's memory, more than {HOST_MEMORY_SHARE:.0%} of its {have / 2**20:,.0f} MiB; use "
-                      "model.remat=full, more devices on mesh.ici.context, or a shorter data.seq_len.")
+                      f"host's memory, more than {HOST_MEMORY_SHARE:.0%} of its {have / 2**20:,.0f} MiB; save one "
+                      "input per pair of layers (model.remat_group=2), or use model.remat=full, more devices on "
+                      "mesh.ici.context, or a shorter data.seq_len.")
 
 
 def _finished_at(step_metrics) -> float:

@@ -80,7 +80,7 @@ def _check_remat_group(config: Config) -> None:
   m = config.model
   if m.remat_group == 1:
     return
-  if m.remat not in ("full", "full_offload"):
+  if m.remat not in model_lib.GROUPED_REMATS:
     raise ConfigError(f"model.remat_group {m.remat_group} groups layers only under model.remat full or full_offload, "
                       f"not {m.remat}; set model.remat_group: 1 or one of those policies.")
   if not m.scan_layers:
@@ -95,22 +95,28 @@ def _check_remat_group(config: Config) -> None:
 OFFLOAD_SLICE_MULTIPLE = 128
 
 
+def _saved_input_bytes(config: Config, sizes: dict[str, int]) -> int:
+  m = config.model
+  return offloaded_bytes_per_device(config, sizes) // (m.n_layers // m.remat_group)
+
+
 def offload_pieces(config: Config, sizes: dict[str, int]) -> int:
   """Slices of the model width each saved input is copied to host memory in: the fewest, each a multiple of
   OFFLOAD_SLICE_MULTIPLE wide, that keep every copy under OFFLOAD_COPY_LIMIT (1 under policies that offload nothing;
-  0 if none do)."""
-  m = config.model
-  saved = offloaded_bytes_per_device(config, sizes) // (m.n_layers // m.remat_group)
-  return next((p for p in range(1, m.d_model + 1) if m.d_model % p == 0 and saved // p < OFFLOAD_COPY_LIMIT
-               and (p == 1 or (m.d_model // p) % OFFLOAD_SLICE_MULTIPLE == 0)), 0)
+  0 if no such slicing does). The limit is libtpu's, but the slices are the same on every platform, so that a step
+  checked on the CPU is the step a TPU runs."""
+  d, saved = config.model.d_model, _saved_input_bytes(config, sizes)
+  return next((p for p in range(1, d + 1) if d % p == 0 and saved // p < OFFLOAD_COPY_LIMIT
+               and (p == 1 or (d // p) % OFFLOAD_SLICE_MULTIPLE == 0)), 0)
 
 
 def _check_offload(config: Config, sizes: dict[str, int], platform: str) -> None:
   if platform == "tpu" and not offload_pieces(config, sizes):
-    raise ConfigError("model.remat full_offload cannot copy the saved layer inputs to host memory in slices of the "
-                      f"model width under {OFFLOAD_COPY_LIMIT // 2**20:,} MiB (each a multiple of "
-                      f"{OFFLOAD_SLICE_MULTIPLE} wide), which libtpu needs; put more devices on mesh.ici.context or "
-                      "shorten data.seq_len.")
+    raise ConfigError(f"model.remat full_offload would copy saved layer inputs of "
+                      f"{_saved_input_bytes(config, sizes) / 2**20:,.0f} MiB per device to host memory, and no slicing "
+                      f"of the model width into multiples of {OFFLOAD_SLICE_MULTIPLE} brings a copy under "
+                      f"{OFFLOAD_COPY_LIMIT // 2**20:,} MiB, which libtpu needs; put more devices on mesh.ici.context "
+                      "or shorten data.seq_len.")
 
 
 def attention_problem(config: Config, sizes: dict[str, int], platform: str | None = None) -> attention.Problem:

@@ -151,6 +151,10 @@ def test_offload_larger_than_host_memory_stops_before_compiling(tmp_path, monkey
   monkeypatch.setattr(Trainer, "__post_init__", lambda self: pytest.fail("compiled before checking host memory"))
   c = _demo(tmp_path, "model.remat=full_offload")
   with pytest.raises(ConfigError, match=r"full_offload would keep 8 MiB of saved layer inputs in this host's memory, "
-                                        r"more than 80% of its 1 MiB; use model.remat=full"):
+                                        r"more than 80% of its 1 MiB; save one input per pair of layers "
+                                        r"\(model.remat_group=2\), or use model.remat=full"):
     train.run(c)
   assert not (tmp_path / "config.yml").exists()
+  # In pairs of layers (model.remat_group 2) half of it is kept: the 4 MiB are counted, and still refused here.
+  with pytest.raises(ConfigError, match=r"full_offload would keep 4 MiB of saved layer inputs"):
+    train.run(_demo(tmp_path, "model.remat=full_offload", "model.remat_group=2"))

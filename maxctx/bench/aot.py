@@ -6,8 +6,8 @@ An 8B step for 128 devices takes minutes to tens of minutes to compile on a smal
      attention, optimizer, sequence length, batch; see `program_fields`), the topology and the slice count;
   2. `--reports DIR`: JSON reports written by `python -m maxctx.compile --json` or `scripts/compile_recipes.py`
      (e.g. runs/compile/), used when every field the report records (topology, strategy, kernel, length, batch, mesh,
-     remat, loss chunk, blocks, parameter count) agrees with the run's config. Such reports carry no collective bytes,
-     so their network time is left out of the estimate, and it says so;
+     remat and its layer group, loss chunk, blocks, parameter count) agrees with the run's config. Such reports carry
+     no collective bytes, so their network time is left out of the estimate, and it says so;
   3. otherwise a compile (unless `--no-compile`), whose report is cached; except that an all_gather whose
      whole-sequence K, V, dK and dV of one layer alone exceed HBM is reported as not fitting from the shapes, without
      a compile (at 14M tokens that compile would take long to say the same).
@@ -74,9 +74,13 @@ def find_report(directory: pathlib.Path, config: Config, topo: topology_lib.Topo
       report = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
       continue
-    # A report from before model.mlp_chunk existed was compiled without chunking.
-    if isinstance(report, dict) and all(report.get(k, 0 if k == "mlp_chunk" else None) == v
-                                        for k, v in want.items()):
+    # A report from before model.mlp_chunk existed was compiled without chunking, one from before
+    # model.remat_group without layer groups.
+    if not isinstance(report, dict):
+      continue
+    group = ((report.get("step") or {}).get("model") or {}).get("remat_group", 1)
+    if group == config.model.remat_group and all(report.get(k, 0 if k == "mlp_chunk" else None) == v
+                                                 for k, v in want.items()):
       return compile_lib.CompileReport.from_json(report), path
   return None
 

@@ -263,11 +263,12 @@ def markdown_estimates(records: Sequence[Record], title: str, setup: str, roofli
   for note in sorted({r.note for r in records if r.note}):
     lines += ["", f"Note: {note}."]
   lines += ["", "Roofline inputs (maxctx/bench/roofline.py, with sources):", "", roofline_table, "",
-            "Estimate model, per device: compute = analytic FLOPs (× 4/3 under remat full or full_offload) / peak "
-            "bf16; HBM = (argument + output + 2 × temp bytes) / HBM bandwidth (a lower bound on traffic); ICI = bytes "
-            "per link / one link's one-way bandwidth (ring hops use one link, other collectives all of the chip's "
-            "links); est. step = the largest of the three (perfect overlap). MFU = model FLOPs / (est. step × devices "
-            "× peak). Host transfers of remat full_offload are not modelled."]
+            "Estimate model, per device: compute = analytic FLOPs (× 4/3 under remat full or full_offload, × 5/3 "
+            "with model.remat_group > 1) / peak bf16; HBM = (argument + output + 2 × temp bytes) / HBM bandwidth "
+            "(a lower bound on traffic); ICI = bytes per link / one link's one-way bandwidth (ring hops use one "
+            "link, other collectives all of the chip's links); est. step = the largest of the three (perfect "
+            "overlap). MFU = model FLOPs / (est. step × devices × peak). Host transfers of remat full_offload are "
+            "not modelled."]
   return "\n".join(lines) + "\n"
 
 

@@ -113,7 +113,7 @@ def estimate(report: CompileReport, topo: topology_lib.Topology,
   out["est_step_s_range"] = out["est_mfu_range"] = None
   if efficiency is not None:
     # Fast end first: compute at the high share of peak, then the low; the other parts are unchanged.
-    steps = [max(compute_s / e, *(v for v, name in parts if name != "compute")) for e in sorted(efficiency)[::-1]]
+    steps = [max([compute_s / e, *(v for v, name in parts if name != "compute")]) for e in sorted(efficiency)[::-1]]
     out["est_step_s_range"] = tuple(steps)
     out["est_mfu_range"] = tuple(report.flops_per_step / (t * report.devices * peak) for t in steps)
   return out
