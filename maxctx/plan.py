@@ -9,7 +9,7 @@ compiled and estimated for a TPU slice.
 Candidates, for each length: every strategy at every context degree that divides the devices left by the run's data
 and tensor axes (the rest on fsdp), usp at every ulysses degree between 1 and its context degree, `none` (no context
 parallelism, context 1), each under every remat policy of `--remat` (default: the run's; `auto`: all; `full` and
-`full_offload` also in every layer group of `--remat-group`, default the run's model.remat_group, and 2 with
+`full_offload` also in every layer group of `--remat-group`, default the run's model.remat_group, and 1 and 2 with
 --topology, where a length may fit only saving one input per pair of layers) and with every
 MLP chunk of `--mlp-chunk` (default: the run's model.mlp_chunk and 16,384 tokens; a chunk that does not split the
 candidate's tokens per device is the unchunked MLP, tried once), and, with `--loss-chunk`, with every model.loss_chunk
@@ -173,7 +173,7 @@ def estimate_all(cands: list[Candidate], n: int, slices: int, out: pathlib.Path,
   ram = (topo.generation.chip.host_ram_bytes or 0) if topo else 0
 
   def expected(c: Candidate) -> float:
-    return model[c].total * ratio.get(_policy(c), 1.0)
+    return model[c].total * ratio.get(c.policy, 1.0)
 
   def host_over(c: Candidate) -> bool:
     return bool(per_host and ram) and model[c].host * per_host > chips_lib.HOST_MEMORY_SHARE * ram
@@ -191,10 +191,10 @@ def estimate_all(cands: list[Candidate], n: int, slices: int, out: pathlib.Path,
     compiled += (rec.source or "").startswith("compiled")
     fitting += chosen(rec)
     if rec.memory_compiled:
-      ratio[_policy(cand)] = max(ratio.get(_policy(cand), 0.0), rec.memory_compiled["total"] / est.total)
+      ratio[cand.policy] = max(ratio.get(cand.policy, 0.0), rec.memory_compiled["total"] / est.total)
     if rec.status == "missing" and compile_missing and budget and want > NOT_WORTH_COMPILING * hbm:
-      scaled = (f" (the cost model's {est.total / 2**30:.1f} × {ratio[_policy(cand)]:.2f}, as compiled under "
-                f"remat={cand.remat}{_group(cand)})" if _policy(cand) in ratio else "")
+      scaled = (f" (the cost model's {est.total / 2**30:.1f} × {ratio[cand.policy]:.2f}, as compiled under "
+                f"{cand.remat_label})" if cand.policy in ratio else "")
       rec.set(reason=f"{plan_tables.HBM_OVER} {want / 2**30:.1f} GiB per device of {hbm / 2**30:.1f} GiB "
                      f"HBM{scaled}")
     elif rec.status == "missing" and compile_missing and budget and host_over(cand):
@@ -209,14 +209,6 @@ def estimate_all(cands: list[Candidate], n: int, slices: int, out: pathlib.Path,
              "fits" if chosen(rec) else rec.reason or rec.status)
     records[cand] = rec
   return [records[c] for c in valid]
-
-
-def _policy(c: Candidate) -> tuple[str, int]:
-  return c.remat, c.remat_group
-
-
-def _group(c: Candidate) -> str:
-  return f" remat_group={c.remat_group}" if c.remat_group > 1 else ""
 
 
 def _order(rec: report.Record) -> tuple:
@@ -286,8 +278,8 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--remat", help=f"comma-separated remat policies to try, of {', '.join(REMATS)}, or auto for all "
                                  "of them (default: the run's model.remat)")
   p.add_argument("--remat-group", help=f"comma-separated model.remat_group values to try under remat full and "
-                                       f"full_offload, layers per saved input (default: the run's, and {REMAT_GROUP} "
-                                       "with --topology)")
+                                       f"full_offload, layers per saved input (default: the run's; with --topology "
+                                       f"also 1 and {REMAT_GROUP})")
   p.add_argument("--mlp-chunk", help=f"comma-separated model.mlp_chunk values to try, tokens per MLP step, 0 for "
                                      f"all at once (default: the run's and {MLP_CHUNK}); one that does not split a "
                                      "candidate's tokens per device is the same as 0")

@@ -36,10 +36,18 @@ class Candidate:
   @property
   def label(self) -> str:
     u = f" u={self.ulysses}" if self.ulysses else ""
-    group = f" remat_group={self.remat_group}" if self.remat_group > 1 else ""
     chunk = f" mlp_chunk={self.mlp_chunk}" if self.mlp_chunk else ""
     loss = "" if self.loss_chunk is None else f" loss_chunk={self.loss_chunk}"
-    return f"{self.strategy} c={self.context}{u} remat={self.remat}{group}{chunk}{loss}"
+    return f"{self.strategy} c={self.context}{u} {self.remat_label}{chunk}{loss}"
+
+  @property
+  def policy(self) -> tuple[str, int]:
+    """(remat, remat group): what decides what each layer saves."""
+    return self.remat, self.remat_group
+
+  @property
+  def remat_label(self) -> str:
+    return f"remat={self.remat}" + (f" remat_group={self.remat_group}" if self.remat_group > 1 else "")
 
   @property
   def overrides(self) -> dict[str, Any]:
@@ -80,7 +88,6 @@ def remats_with_groups(remats: list[str], groups: list[int]) -> list[tuple[str, 
   """(policy, model.remat_group) pairs: every group of `groups` under the policies that save only layer inputs (full,
   full_offload; one that does not divide the layers is refused with validate's sentence), 1 under the others."""
   return list(dict.fromkeys((r, g if r in GROUPED_REMATS else 1) for r in remats for g in groups))
-
 
 
 def candidates(base: Config, strategies: list[str], seq_len: int, remats: list[str], num_devices: int,
