@@ -73,6 +73,11 @@ class CompileReport:
   host_ram_bytes: int | None = None     # one host VM's RAM (maxctx/chips.py)
 
   @property
+  def remat_group(self) -> int:
+    """model.remat_group of the step compiled (1 in reports from before it; `step` None: not recorded)."""
+    return ((self.step or {}).get("model") or {}).get("remat_group", 1)
+
+  @property
   def host_bytes_per_host(self) -> int:
     """What `remat: full_offload` keeps in one host VM's memory: its devices' offloaded bytes together."""
     return (self.memory.host_temp if self.memory else 0) * (self.devices_per_host or 1)
@@ -120,8 +125,7 @@ def _counts(counts: dict[str, int]) -> str:
 def format_report(r: CompileReport) -> str:
   mesh = " × ".join(f"{a}={s}" for a, s in r.mesh.items() if s > 1) or "1 device"
   slices = f" × {r.num_slices} slices" if r.num_slices > 1 else ""
-  group = ((r.step or {}).get("model") or {}).get("remat_group", 1)
-  remat = r.remat + (f" in groups of {group} layers" if group > 1 else "")
+  remat = r.remat + (f" in groups of {r.remat_group} layers" if r.remat_group > 1 else "")
   lines = [
       f"{r.config}: {r.strategy} ({r.kernel} kernel) on {r.topology}{slices} "
       f"= {r.chips} chips, {r.devices} devices ({r.device_kind}); mesh {mesh}",

@@ -74,14 +74,13 @@ def find_report(directory: pathlib.Path, config: Config, topo: topology_lib.Topo
       report = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
       continue
-    # A report from before model.mlp_chunk existed was compiled without chunking, one from before
-    # model.remat_group without layer groups.
-    if not isinstance(report, dict):
-      continue
-    group = ((report.get("step") or {}).get("model") or {}).get("remat_group", 1)
-    if group == config.model.remat_group and all(report.get(k, 0 if k == "mlp_chunk" else None) == v
-                                                 for k, v in want.items()):
-      return compile_lib.CompileReport.from_json(report), path
+    # A report from before model.mlp_chunk existed was compiled without chunking (and one from before
+    # model.remat_group without layer groups: CompileReport.remat_group).
+    if isinstance(report, dict) and all(report.get(k, 0 if k == "mlp_chunk" else None) == v
+                                        for k, v in want.items()):
+      parsed = compile_lib.CompileReport.from_json(report)
+      if parsed.remat_group == config.model.remat_group:
+        return parsed, path
   return None
 
 

@@ -82,7 +82,7 @@ def estimate(report: CompileReport, topo: topology_lib.Topology,
   peak = chip.bf16_tflops * 1e12 / per_chip
   remat = 1.0
   if report.remat in ("full", "full_offload"):   # the forward (a third of the step) once more; twice more in groups
-    remat = 5 / 3 if ((report.step or {}).get("model") or {}).get("remat_group", 1) > 1 else 4 / 3
+    remat = 5 / 3 if report.remat_group > 1 else 4 / 3
   if report.remat in ("save_attention_out", "save_dots", "none") and recomputed_flops:
     remat = 1.0 + recomputed_flops / report.flops_per_step
   compute_s = report.flops_per_device * remat / peak
