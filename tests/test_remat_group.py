@@ -79,7 +79,6 @@ def test_offload_saves_one_input_per_group_in_slices_of_the_width(group, pieces)
   # policy would see the name and save every layer's after all (it did, before the inner layers were unnamed).
   host = _host_residuals(["model.remat=full_offload", f"model.remat_group={group}"], pieces)
   d_model = _config().model.d_model
-  assert len(host) == pieces
   assert host == [(LAYERS // group, BATCH, TOKENS, d_model // pieces)] * pieces
 
 
