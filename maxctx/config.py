@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.resources
 import pathlib
 import typing
 from typing import Any, Literal
@@ -23,7 +24,9 @@ import yaml
 from maxctx.config_types import coerce
 from maxctx.errors import ConfigError
 
-CONFIG_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
+# The repository's configs/, shipped in the package (maxctx/configs links to it in a checkout): base.yml and the model
+# presets are found from any working directory, in a wheel as in an editable install. A run file is a plain path.
+CONFIG_DIR = pathlib.Path(str(importlib.resources.files("maxctx") / "configs"))
 MESH_AXES = ("data", "fsdp", "context", "tensor")
 
 

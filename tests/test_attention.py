@@ -373,16 +373,18 @@ def test_cudnn_kernel_wrapper_under_all_gather():
 def test_bench_attention_script_reports_every_row(tmp_path):
   """The benchmark script runs end to end at a small shape and writes one JSON row per strategy, with per-device temp
   memory and both timings (timings are never asserted; only that they were measured), or memory alone."""
-  import importlib.util
   import json
   import pathlib
+  import subprocess
+  import sys
 
-  path = pathlib.Path(__file__).parent.parent / "scripts" / "bench_attention.py"
-  spec = importlib.util.spec_from_file_location("bench_attention", path)
-  bench = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(bench)
+  script = pathlib.Path(__file__).parent.parent / "scripts" / "bench_attention.py"
   out = tmp_path / "rows.json"
-  bench.main(["--seq-len", "512", "--strategies", "ring", "usp", "--iters", "1", "--block-q", "32", "--block-kv", "32",
+
+  def run_script(argv):   # as a user runs it: its own process, on the installed package
+    subprocess.run([sys.executable, str(script), *argv], check=True, capture_output=True, timeout=600)
+
+  run_script(["--seq-len", "512", "--strategies", "ring", "usp", "--iters", "1", "--block-q", "32", "--block-kv", "32",
               "--no-baseline", "--json", str(out)])
   rows = json.loads(out.read_text())["rows"]
   assert [r["strategy"] for r in rows] == ["ring", "usp 2x4"]
@@ -391,7 +393,7 @@ def test_bench_attention_script_reports_every_row(tmp_path):
     assert r["fwd_bwd_vs_baseline"] is None   # no baseline row to divide by
 
   # --iters 0: memory only (compiled, never run), so long shapes can be sized in seconds.
-  bench.main(["--seq-len", "512", "--strategies", "ring", "--iters", "0", "--no-baseline", "--json", str(out)])
+  run_script(["--seq-len", "512", "--strategies", "ring", "--iters", "0", "--no-baseline", "--json", str(out)])
   rows = json.loads(out.read_text())["rows"]
   assert [r["strategy"] for r in rows] == ["ring"]
   for r in rows:
@@ -400,7 +402,7 @@ def test_bench_attention_script_reports_every_row(tmp_path):
     assert r["temp_mib"] > 0
 
   # A TPU kernel on the CPU runs in the Pallas interpreter, and its row says so (its times are not the kernel's).
-  bench.main(["--seq-len", "1024", "--strategies", "ring", "--kernel", "flash", "--head-dim", "128", "--heads", "2",
+  run_script(["--seq-len", "1024", "--strategies", "ring", "--kernel", "flash", "--head-dim", "128", "--heads", "2",
               "--kv-heads", "1", "--block-q", "128", "--block-kv", "128", "--iters", "0", "--no-baseline",
               "--json", str(out)])
   rows = json.loads(out.read_text())["rows"]

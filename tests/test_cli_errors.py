@@ -1,7 +1,7 @@
 """A user's mistake ends the command with one sentence, and nothing else.
 
 A catalogue of bad inputs to every entry point (maxctx.train, maxctx.eval, maxctx.bench, maxctx.plan,
-maxctx.compile and scripts/convert_hf.py), each run as the user runs it: exit code 2, exactly one stderr line starting with `error:`, no
+maxctx.compile and maxctx.convert), each run as the user runs it: exit code 2, exactly one stderr line starting with `error:`, no
 traceback anywhere, and nothing under run.output_dir created or changed. Almost every case stops before JAX compiles
 anything; the few that need a fault the machine cannot produce (no libtpu) go through tests/faults/inject.py.
 """
@@ -14,6 +14,7 @@ import pathlib
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -59,13 +60,26 @@ def fx(tmp_path_factory) -> dict[str, pathlib.Path]:
   (d / "hf_list").mkdir()
   (d / "hf_list" / "config.json").write_text("[1, 2]")
   (d / "export_out").mkdir()
+  # A Llama whose 6 query heads do not split over its 4 KV heads, with every tensor: only the model's check stops it.
+  from safetensors.numpy import save_file
+  V, D, N, K, H, F = 64, 24, 6, 4, 4, 32
+  (d / "hf_heads").mkdir()
+  (d / "hf_heads" / "config.json").write_text(json.dumps({
+      "model_type": "llama", "vocab_size": V, "hidden_size": D, "num_hidden_layers": 1, "num_attention_heads": N,
+      "num_key_value_heads": K, "head_dim": H, "intermediate_size": F}))
+  layer = {"self_attn.q_proj": (N * H, D), "self_attn.k_proj": (K * H, D), "self_attn.v_proj": (K * H, D),
+           "self_attn.o_proj": (D, N * H), "mlp.gate_proj": (F, D), "mlp.up_proj": (F, D), "mlp.down_proj": (D, F),
+           "input_layernorm": (D,), "post_attention_layernorm": (D,)}
+  shapes = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,), "lm_head.weight": (V, D),
+            **{f"model.layers.0.{name}.weight": shape for name, shape in layer.items()}}
+  save_file({k: np.zeros(v, np.float32) for k, v in shapes.items()}, str(d / "hf_heads" / "model.safetensors"))
   (d / "export_out" / "old.safetensors").write_text("an older export\n")
   return d
 
 
 # (id, entry point, arguments, fragments of the sentence). In arguments, {OUT} is this case's run.output_dir and
 # {F} the fixture directory. Entry points: train, eval, bench, plan, compile (python -m maxctx.<name> configs/demo.yml
-# run.output_dir={OUT} ...), convert (python scripts/convert_hf.py ...), and inject:<fault>:<module> (the module's
+# run.output_dir={OUT} ...), convert (python -m maxctx.convert ...), and inject:<fault>:<module> (the module's
 # command under tests/faults/inject.py).
 CASES = [
     # Config keys and values.
@@ -173,14 +187,18 @@ CASES = [
     ("compile-slices-zero", "compile", ["compile.topology=v5p-8", "compile.num_slices=0"], ["compile.num_slices is 0"]),
     ("compile-without-libtpu", "inject:no-libtpu:maxctx.compile", ["compile.topology=v5p-16"],
      ["needs libtpu", "JAX TPU support not installed"]),
-    # scripts/convert_hf.py
+    # maxctx.convert
     ("convert-import-no-config", "convert", ["import", "{F}/empty", "{OUT}"], ["has no config.json"]),
     ("convert-import-not-llama", "convert", ["import", "{F}/hf_gpt2", "{OUT}"], ["model_type is 'gpt2'"]),
     ("convert-import-bad-json", "convert", ["import", "{F}/hf_badjson", "{OUT}"], ["is not valid JSON"]),
     ("convert-import-json-list", "convert", ["import", "{F}/hf_list", "{OUT}"], ["not a JSON object"]),
-    ("convert-export-missing", "convert", ["export", "{F}/nothing", "configs/demo.yml", "{OUT}"], ["does not exist"]),
+    ("convert-import-heads-not-multiple", "convert", ["import", "{F}/hf_heads", "{OUT}"],
+     ["hf_heads/config.json describes a model maxctx cannot train", "model.n_heads 6 is not a multiple of "
+      "model.n_kv_heads 4"]),
+    ("convert-export-missing", "convert", ["export", "{F}/nothing", "configs/demo.yml", "{OUT}"],
+     ["params directory", "nothing is not a directory"]),
     ("convert-export-not-orbax", "convert", ["export", "{F}/notckpt/params", "configs/demo.yml", "{OUT}"],
-     ["is not an Orbax checkpoint"]),
+     ["is not a readable Orbax checkpoint"]),
     ("convert-export-not-empty", "convert:out={F}/export_out", ["export", "{F}/run", "configs/demo.yml", "{OUT}"],
      ["is not empty"]),
 ]
@@ -192,7 +210,7 @@ def _command(entry: str, args: list[str], out: pathlib.Path, f: pathlib.Path) ->
     out, option = pathlib.Path(option[4:].format(F=f)), ""
   args = [a.format(OUT=out, F=f) for a in args]
   if kind == "convert":
-    return [sys.executable, "scripts/convert_hf.py", *args], out
+    return [sys.executable, "-m", "maxctx.convert", *args], out
   config = "configs/demo.yml"
   if kind == "train" and option:
     config = option.format(F=f)

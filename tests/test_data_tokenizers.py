@@ -88,10 +88,11 @@ def test_train_tokenizer_script(tmp_path):
   for i, f in enumerate(sources.stdlib_files()[:40]):
     (corpus / f"{i}.txt").write_text(sources.read_text(f))
   out = tmp_path / "t.model"
-  run = subprocess.run([sys.executable, "scripts/train_tokenizer.py", "--vocab-size", "300", "--output", str(out),
+  run = subprocess.run([sys.executable, "-m", "maxctx.train_tokenizer", "--vocab-size", "300", "--output", str(out),
                         str(corpus / "*.txt")], capture_output=True, text=True)
   assert run.returncode == 0, run.stderr
   assert "300 tokens" in run.stdout and "training on 40 files" in run.stderr
-  bad = subprocess.run([sys.executable, "scripts/train_tokenizer.py", "--vocab-size", "300", "--output", str(out),
+  bad = subprocess.run([sys.executable, "-m", "maxctx.train_tokenizer", "--vocab-size", "300", "--output", str(out),
                         str(tmp_path / "none*.txt")], capture_output=True, text=True)
-  assert bad.returncode != 0 and "matches no files" in bad.stderr and "Traceback" not in bad.stderr
+  assert bad.returncode == 2 and "Traceback" not in bad.stderr
+  assert bad.stderr.strip().startswith("error: ") and "matches no files" in bad.stderr and bad.stderr.count("\n") == 1

@@ -310,7 +310,7 @@ def open_source(data, has_tokenizer: bool):
   elif data.source == "text":
     if not has_tokenizer:
       raise ConfigError("data.source=text reads text, so it needs data.tokenizer (a SentencePiece .model or Llama 3 "
-                        "tokenizer.model; scripts/train_tokenizer.py trains one).")
+                        "tokenizer.model; python -m maxctx.train_tokenizer trains one).")
     src = Files(expand(data.path), getattr(data, "text_separator", ""), bad=bad)
   elif data.source == "jsonl":
     src = Jsonl(expand(data.path), data.text_field, not has_tokenizer, bad)

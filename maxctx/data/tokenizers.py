@@ -115,7 +115,7 @@ def load(path: str) -> Tokenizer:
   p = pathlib.Path(path).expanduser()
   if not p.is_file():
     raise DataError(f"data.tokenizer {path} does not exist; give the path of a SentencePiece .model or Llama 3 "
-                    "tokenizer.model (scripts/train_tokenizer.py trains one).")
+                    "tokenizer.model (python -m maxctx.train_tokenizer trains one).")
   data = p.read_bytes()
   ranks = _read_ranks(path, data)
   if ranks:
