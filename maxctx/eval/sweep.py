@@ -119,10 +119,10 @@ class Sweep:
 
 
 def accuracy(records: Sequence[dict]) -> dict[tuple[str, int], float]:
-  """Mean accuracy per (task, length)."""
-  cells: dict[tuple[str, int], list[bool]] = {}
+  """Mean accuracy per (task, length): the mean recall, RULER's score (for a one-part answer, the share right)."""
+  cells: dict[tuple[str, int], list[float]] = {}
   for r in records:
-    cells.setdefault((r["task"], r["length"]), []).append(r["correct"])
+    cells.setdefault((r["task"], r["length"]), []).append(r["recall"])
   return {k: sum(v) / len(v) for k, v in cells.items()}
 
 
@@ -131,10 +131,10 @@ def scalars(records: Sequence[dict]) -> dict[str, float]:
   out = {}
   for (task, length), acc in accuracy([r for r in records if r["depth"] >= 0]).items():
     out[f"eval/{task}/{length}"] = acc
-  files: dict[str, list[bool]] = {}
+  files: dict[str, list[float]] = {}
   for r in records:
     if r["depth"] < 0:
-      files.setdefault(r["task"], []).append(r["correct"])
+      files.setdefault(r["task"], []).append(r["recall"])
   out.update({f"eval/{task}/all": sum(v) / len(v) for task, v in files.items()})
   return out
 
