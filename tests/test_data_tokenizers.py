@@ -95,3 +95,21 @@ def test_train_tokenizer_script(tmp_path):
   bad = subprocess.run([sys.executable, "scripts/train_tokenizer.py", "--vocab-size", "300", "--output", str(out),
                         str(tmp_path / "none*.txt")], capture_output=True, text=True)
   assert bad.returncode != 0 and "matches no files" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_tokenizer_files_that_cannot_be_one_are_named_in_one_sentence(tmp_path, sp_model):
+  # Each is refused before a document is encoded (an empty file passed SentencePiece's load and crashed in encode).
+  (tmp_path / "empty.model").write_bytes(b"")
+  (tmp_path / "hf").mkdir()
+  (tmp_path / "hf" / "tokenizer.model").write_bytes(sp_model.read_bytes())
+  (tmp_path / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "BPE"}}')
+  import os
+  os.mkfifo(tmp_path / "pipe")
+  cases = {"empty.model": "is an empty file", "hf": r"is a directory, not a tokenizer file; did you mean .*hf/tokenizer",
+           "pipe": "is not a regular file", "tokenizer.json": r"is neither .* \(a Hugging Face tokenizer.json is not read"}
+  for name, message in cases.items():
+    with pytest.raises(DataError, match=rf"data.tokenizer {tmp_path}/{name} {message}") as e:
+      tokenizers.load(str(tmp_path / name))
+    assert "\n" not in str(e.value)
+  with pytest.raises(DataError, match=r"/proc/sys/vm/drop_caches cannot be read \(Permission denied\)"):
+    tokenizers.load("/proc/sys/vm/drop_caches")   # write-only, even for root
