@@ -33,7 +33,7 @@ import time
 
 import jax
 
-from maxctx.errors import ArgumentParser, ConfigError
+from maxctx.errors import ArgumentParser, ConfigError, excerpt
 
 log = logging.getLogger("maxctx")
 
@@ -77,7 +77,7 @@ def options(args: argparse.Namespace) -> Options:
       try:
         ints[flag] = int(values[flag])
       except ValueError:
-        raise ConfigError(f"{flag} (or {FLAGS[flag]}) must be an integer, got {values[flag][:40]!r}.") from None
+        raise ConfigError(f"{flag} (or {FLAGS[flag]}) must be an integer, got {excerpt(values[flag])}.") from None
   timeout = ints.get("--init-timeout", INIT_TIMEOUT_S)
   if timeout < 1:
     raise ConfigError(f"--init-timeout (or MAXCTX_INIT_TIMEOUT) is {timeout}; give the seconds to wait for the other "
@@ -104,7 +104,7 @@ def _check(o: Options) -> None:
     return
   host, _, port = o.coordinator.rpartition(":")
   if not host or not port.isdigit():
-    raise ConfigError(f"--coordinator {o.coordinator!r} is not HOST:PORT; use e.g. --coordinator=10.0.0.2:1234 "
+    raise ConfigError(f"--coordinator {excerpt(o.coordinator)} is not HOST:PORT; use e.g. --coordinator=10.0.0.2:1234 "
                       "(process 0's address, reachable from every process).")
   if o.num_processes < 1 or not 0 <= o.process_id < o.num_processes:
     raise ConfigError(f"--process-id {o.process_id} is not in [0, --num-processes {o.num_processes}); number the "

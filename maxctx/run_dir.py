@@ -18,11 +18,9 @@ before anything compiles. A run that stops before it has trained a step (a data 
 SIGTERM during the first compile: `abandon`) removes what it wrote: config.yml (or puts the previous one back), its
 TensorBoard files, the lock, the directories it made.
 
-The lock holds the directory's resolved path (run.output_dir may itself be a link), and everything the run writes
-must lie there: a checkpoints/, tensorboard/ or config.yml that is a link, or a bind mount of another directory, could
-lead into another run's directory, which this lock does not hold, and is refused; so is a path whose `..` follows a
-link (it names one directory and writes into another), and a directory inside maxctx's package or the repository's
-configs/.
+The lock holds the resolved directory (run.output_dir may be a link) and all the run writes must lie in it: a
+checkpoints/, tensorboard/ or config.yml that is a link or a bind mount could lead into another run, and is refused,
+as is a path whose `..` follows a link, or one inside maxctx's package or the repository's configs/.
 """
 
 from __future__ import annotations
@@ -100,12 +98,8 @@ def _bind_mounts() -> dict[str, str]:
   except OSError:
     return {}
   unescape = lambda field: field.encode().decode("unicode_escape").encode("latin-1").decode(errors="replace")
-  binds = {}
-  for line in text.splitlines():
-    fields = line.split()
-    if len(fields) > 4 and fields[3] != "/":
-      binds[unescape(fields[4])] = unescape(fields[3])
-  return binds
+  rows = [line.split() for line in text.splitlines()]
+  return {unescape(f[4]): unescape(f[3]) for f in rows if len(f) > 4 and f[3] != "/"}
 
 
 def check_own(name: str, key: str = "run.output_dir") -> None:

@@ -1,6 +1,7 @@
 """Tokenizers: SentencePiece training and loading, the Llama 3 tiktoken layout, and the errors a user can cause."""
 
 import base64
+import os
 import subprocess
 import sys
 
@@ -103,10 +104,10 @@ def test_tokenizer_files_that_cannot_be_one_are_named_in_one_sentence(tmp_path, 
   (tmp_path / "hf").mkdir()
   (tmp_path / "hf" / "tokenizer.model").write_bytes(sp_model.read_bytes())
   (tmp_path / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "BPE"}}')
-  import os
   os.mkfifo(tmp_path / "pipe")
-  cases = {"empty.model": "is an empty file", "hf": r"is a directory, not a tokenizer file; did you mean .*hf/tokenizer",
-           "pipe": "is not a regular file", "tokenizer.json": r"is neither .* \(a Hugging Face tokenizer.json is not read"}
+  cases = {"empty.model": "is an empty file", "pipe": "is not a regular file",
+           "hf": r"is a directory, not a tokenizer file; did you mean .*hf/tokenizer",
+           "tokenizer.json": r"is neither .* \(a Hugging Face tokenizer.json is not read"}
   for name, message in cases.items():
     with pytest.raises(DataError, match=rf"data.tokenizer {tmp_path}/{name} {message}") as e:
       tokenizers.load(str(tmp_path / name))

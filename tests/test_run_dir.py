@@ -109,7 +109,7 @@ def test_the_lock_holds_the_resolved_directory(tmp_path):
   with run_dir.RunDir(str(tmp_path / "alias")):
     assert (tmp_path / "run" / run_dir.LOCK).exists()
     with pytest.raises(ConfigError, match="is in use by another run"):
-      with run_dir.RunDir(str(tmp_path / "run" / "." )):
+      with run_dir.RunDir(str(tmp_path / "run" / ".")):
         pass
 
 
@@ -125,8 +125,8 @@ def test_files_of_a_run_that_escape_its_directory_are_refused(tmp_path, monkeypa
   # A bind mount of another directory onto run/checkpoints (read from the mount table; mounting needs privileges).
   (run / "checkpoints").mkdir()
   table = tmp_path / "mountinfo"
-  table.write_text(f"22 27 0:21 / /proc rw - proc proc rw\n"
-                   f"45 27 254:0 {other} {str(run / 'checkpoints').replace(' ', chr(92) + '040')} rw - ext4 /dev/vda rw\n")
+  mount_point = str(run / "checkpoints").replace(" ", "\\040")   # the table escapes spaces
+  table.write_text(f"22 27 0:21 / /proc rw - proc proc rw\n45 27 254:0 {other} {mount_point} rw - ext4 /dev/vda rw\n")
   monkeypatch.setattr(run_dir, "MOUNTINFO", str(table))
   with pytest.raises(ConfigError, match=rf"holds checkpoints as a bind mount of {other}"):
     run_dir.check_writable(str(run))
