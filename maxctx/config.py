@@ -277,7 +277,7 @@ def load(path: str | pathlib.Path | None = None, overrides: list[str] | tuple[st
       known = sorted(p.stem for p in (CONFIG_DIR / "models").glob("*.yml"))
       close = difflib.get_close_matches(str(preset), known, n=1)
       hint = f"did you mean {close[0]}?" if close else f"known presets: {', '.join(known)}."
-      raise ConfigError(f"model preset {excerpt(preset)} has no file configs/models/{preset}.yml; {hint}")
+      raise ConfigError(f"model preset {preset!r} has no file configs/models/{preset}.yml; {hint}")
     tree = _merge(tree, {"model": _read_yaml(preset_path)}, str(preset_path))
   tree = _merge(tree, run_tree, run_where)
   for key, value in parsed:
