@@ -21,8 +21,9 @@ from typing import Any, Literal
 
 import yaml
 
+from maxctx import config_yaml
 from maxctx.config_types import coerce
-from maxctx.errors import ConfigError
+from maxctx.errors import EXCERPT_CHARS, ConfigError, excerpt
 
 # The repository's configs/, shipped in the package (maxctx/configs links to it in a checkout): base.yml and the model
 # presets are found from any working directory, in a wheel as in an editable install. A run file is a plain path.
@@ -194,22 +195,7 @@ class Config:
 
 
 def _read_yaml(path: pathlib.Path) -> dict[str, Any]:
-  try:
-    text = path.read_text()
-  except OSError as e:
-    raise ConfigError(f"cannot read config file {path}: {e.strerror}; check the path.") from None
-  try:
-    tree = yaml.safe_load(text)
-  except yaml.YAMLError as e:
-    where = getattr(e, "problem_mark", None)
-    line = f" line {where.line + 1}" if where else ""
-    problem = getattr(e, "problem", e)
-    raise ConfigError(f"config file {path}{line} is not valid YAML ({problem}); fix the syntax.") from None
-  if tree is None:
-    return {}
-  if not isinstance(tree, dict):
-    raise ConfigError(f"config file {path} must hold a mapping of sections, not a {type(tree).__name__}.")
-  return tree
+  return config_yaml.read(path)
 
 
 def _merge(base: dict[str, Any], over: dict[str, Any], where: str, prefix: str = "") -> dict[str, Any]:
@@ -220,7 +206,7 @@ def _merge(base: dict[str, Any], over: dict[str, Any], where: str, prefix: str =
       raise ConfigError(_unknown_key_message(dotted, base, prefix, where))
     if isinstance(base[key], dict):
       if not isinstance(value, dict):
-        raise ConfigError(f"config key {dotted} in {where} is a section and needs a mapping, not {value!r}.")
+        raise ConfigError(f"config key {dotted} in {where} is a section and needs a mapping, not {excerpt(value)}.")
       out[key] = _merge(base[key], value, where, dotted + ".")
     else:
       out[key] = value
@@ -238,6 +224,7 @@ def _closest_key(dotted: str, siblings: list[str], prefix: str) -> str | None:
 
 
 def _unknown_key_message(dotted: str, siblings: dict[str, Any], prefix: str, where: str) -> str:
+  dotted = dotted[:EXCERPT_CHARS]   # a key is a value a user typed: shown, and matched, in part only
   close = _closest_key(dotted, list(siblings), prefix)
   hint = f"did you mean {close}?" if close else "see configs/base.yml for every key."
   return f"unknown config key {dotted} in {where}; {hint}"
@@ -262,10 +249,10 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: Any, where: str) -> No
 def parse_override(arg: str) -> tuple[str, Any]:
   """`section.key=value` → (dotted key, YAML-parsed value)."""
   if "=" not in arg:
-    raise ConfigError(f"command-line argument {arg!r} is not of the form section.key=value (e.g. run.steps=20).")
+    raise ConfigError(f"command-line argument {excerpt(arg)} is not of the form section.key=value (e.g. run.steps=20).")
   key, text = arg.split("=", 1)
   try:
-    value = yaml.safe_load(text) if text != "" else ""
+    value = config_yaml.loads(text) if text != "" else ""
   except yaml.YAMLError:
     value = text
   return key.strip(), value
@@ -325,7 +312,7 @@ def _build(cls: type, tree: dict[str, Any], prefix: str) -> Any:
       raise ConfigError(f"config key {dotted} is missing; every key needs a value (see configs/base.yml).")
     if dataclasses.is_dataclass(tp):
       if not isinstance(tree[name], dict):
-        raise ConfigError(f"config key {dotted} is a section and needs a mapping, not {tree[name]!r}.")
+        raise ConfigError(f"config key {dotted} is a section and needs a mapping, not {excerpt(tree[name])}.")
       kwargs[name] = _build(tp, tree[name], dotted + ".")
     else:
       kwargs[name] = coerce(tree[name], tp, dotted)
@@ -386,7 +373,7 @@ def check(config: Config) -> None:
     raise ConfigError(f"model.head_dim {config.model.head_dim} must be even for rotary embeddings.")
   resume = config.checkpoint.resume
   if resume not in ("auto", "never") and not resume.isdigit():
-    raise ConfigError(f"checkpoint.resume is {resume!r}; use auto, never, or a step number such as 100.")
+    raise ConfigError(f"checkpoint.resume is {excerpt(resume)}; use auto, never, or a step number such as 100.")
 
 
 def save(config: Config, directory: str | pathlib.Path) -> pathlib.Path:

@@ -8,7 +8,7 @@ import types
 import typing
 from typing import Any, Literal
 
-from maxctx.errors import ConfigError
+from maxctx.errors import ConfigError, excerpt
 
 
 def _type_name(tp: Any) -> str:
@@ -31,13 +31,13 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
         return coerce(value, arm, key)
       except ConfigError as e:
         errors.append(e)
-    raise ConfigError(f"config key {key} expects {_type_name(tp)}, got {value!r} ({type(value).__name__}).")
+    raise ConfigError(f"config key {key} expects {_type_name(tp)}, got {excerpt(value)} ({type(value).__name__}).")
   if origin is Literal:
     choices = typing.get_args(tp)
     if value not in choices:
       close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
       hint = f" (did you mean {close[0]!r}?)" if close else ""
-      raise ConfigError(f"config key {key} must be one of {', '.join(map(repr, choices))}, got {value!r}{hint}.")
+      raise ConfigError(f"config key {key} must be one of {', '.join(map(repr, choices))}, got {excerpt(value)}{hint}.")
     return value
   if tp is type(None):
     if value is None:
@@ -65,7 +65,7 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
     if number is not None:
       # nan or inf would compile and run, and fail steps later with a message about something else.
       if not math.isfinite(number):
-        raise ConfigError(f"config key {key} is {value!r}; it must be a finite number.")
+        raise ConfigError(f"config key {key} is {excerpt(value)}; it must be a finite number.")
       return number
   elif tp is str:
     if isinstance(value, str):
@@ -74,4 +74,4 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
       return str(value)
   else:
     raise TypeError(f"unsupported schema type {tp!r} for {key}")
-  raise ConfigError(f"config key {key} expects {_type_name(tp)}, got {value!r} ({type(value).__name__}).")
+  raise ConfigError(f"config key {key} expects {_type_name(tp)}, got {excerpt(value)} ({type(value).__name__}).")

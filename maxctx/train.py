@@ -94,6 +94,7 @@ def fit(config: config_lib.Config) -> Fit:
       checkpoint_lib.check_params(config.checkpoint.load_params, trainer.abstract_state().params)
     # Holding the directory before Checkpoints looks at it: a second run must not clean up the first one's saves.
     with run_dir_lib.RunDir(config.run.output_dir) as run_dir, checkpoint_lib.Checkpoints(config, mesh) as checkpoints:
+      preemption.before_start(run_dir.abandon)   # SIGTERM before the first step removes what the run wrote
       state = checkpoints.restore_or_init(trainer, pipeline)
       if jax.process_index() == 0:
         config_lib.save(config, out_dir)

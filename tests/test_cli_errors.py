@@ -74,6 +74,18 @@ def fx(tmp_path_factory) -> dict[str, pathlib.Path]:
             **{f"model.layers.0.{name}.weight": shape for name, shape in layer.items()}}
   save_file({k: np.zeros(v, np.float32) for k, v in shapes.items()}, str(d / "hf_heads" / "model.safetensors"))
   (d / "export_out" / "old.safetensors").write_text("an older export\n")
+  # Levels of nine aliases under run.name: nine levels printed 351 MB into the error; five make the point (59K values).
+  (d / "bomb.yml").write_text("run:\n  name:\n    - &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n"
+                              + "".join(f"    - &{x} [{', '.join([f'*{p}'] * 9)}]\n" for p, x in zip("abcd", "bcde")))
+  (d / "dup.yml").write_text("optim:\n  lr: 3e-3\n  b1: 0.9\n  lr: 1.0\n")
+  (d / "tok_empty.model").write_bytes(b"")
+  # Another run, and run directories whose checkpoints lead into it.
+  (d / "other" / "checkpoints" / "4").mkdir(parents=True)
+  (d / "other" / "config.yml").write_text("run:\n  steps: 4\n")
+  (d / "linked").mkdir()
+  (d / "linked" / "checkpoints").symlink_to(d / "other" / "checkpoints")
+  (d / "up").mkdir()
+  (d / "up" / "into").symlink_to(d / "other" / "checkpoints")
   return d
 
 
@@ -101,6 +113,8 @@ CASES = [
     ("missing-config", "train:nofile", [], ["cannot read config file"]),
     ("bad-yaml", "train:{F}/bad.yml", [], ["is not valid YAML"]),
     ("yaml-list", "train:{F}/list.yml", [], ["must hold a mapping"]),
+    ("yaml-alias-bomb", "train:{F}/bomb.yml", [], ["line 4 uses the YAML alias *a"]),
+    ("yaml-duplicate-key", "train:{F}/dup.yml", [], ["gives optim.lr twice (lines 2 and 4)"]),
     ("unknown-preset", "train", ["model.preset=llama9"], ["model preset 'llama9'"]),
     # Shapes, mesh and strategy.
     ("seq-len-zero", "train", ["data.seq_len=0"], ["data.seq_len is 0", "at least 2"]),
@@ -128,6 +142,9 @@ CASES = [
     ("out-under-file", "train:out={F}/afile/run", [], ["which is not a directory"]),
     ("out-not-writable", "train:out=/proc/sys/maxctx-run", [], ["/proc/sys", "is not writable"]),
     ("out-cannot-create", "train:out=/proc/maxctx-run", [], ["cannot create run.output_dir /proc/maxctx-run"]),
+    ("out-in-configs", "train:out=configs/maxctx-run", [], ["is inside the repository's configs directory"]),
+    ("out-checkpoints-link", "train:out={F}/linked", [], ["holds checkpoints as a link to {F}/other/checkpoints"]),
+    ("out-dotdot-after-link", "train:out={F}/up/into/..", [], ["follows a link and then `..` into {F}/other"]),
     ("resume-n-without-checkpoints", "train", ["checkpoint.resume=5"], ["checkpoint.resume=5", "holds no checkpoints"]),
     # Data.
     ("data-path-missing", "train", ["data.source=jsonl", "data.path={F}/nothing.jsonl"], ["does not exist"]),
@@ -152,6 +169,10 @@ CASES = [
     ("data-text-not-ids", "train", ["data.source=jsonl", "data.path={F}/data/notlist.jsonl"],
      ["holds no list of token ids"]),
     ("data-tokenizer-missing", "train", ["data.tokenizer={F}/nothing.model"], ["nothing.model"]),
+    ("data-tokenizer-empty", "train", ["data.source=text", "data.path={F}/data/badutf.txt",
+                                       "data.tokenizer={F}/tok_empty.model"], ["tok_empty.model is an empty file"]),
+    ("data-tokenizer-directory", "train", ["data.tokenizer={F}/empty"], ["empty is a directory"]),
+    ("data-tokenizer-unreadable", "train", ["data.tokenizer=/proc/sys/vm/drop_caches"], ["cannot be read"]),
     # Parameters to start from.
     ("load-params-run-dir", "train", ["checkpoint.load_params={F}/run"], ["is a run directory", "checkpoints/4"]),
     ("load-params-missing", "train", ["checkpoint.load_params={F}/nothing"], ["is not a directory"]),
@@ -231,9 +252,44 @@ def test_bad_input_is_one_sentence_and_touches_nothing(entry, args, fragments, f
   errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
   assert len(errors) == 1, result.stderr
   assert result.stderr.rstrip().splitlines()[-1] == errors[0], result.stderr  # Nothing printed after the sentence.
+  assert len(errors[0]) <= 1000, errors[0][:3000]   # a sentence, never a flood of an echoed value
   for fragment in fragments:
     assert fragment.format(F=fx) in errors[0], errors[0]
   assert _tree(out) == before, f"{out} changed"
+
+
+def test_a_multi_host_job_that_never_comes_together_ends_with_one_sentence(tmp_path):
+  """A process whose coordinator never answers, and the coordinator (process 0) whose peer never comes, each stop after
+  the --init-timeout they were given (flag or MAXCTX_INIT_TIMEOUT) with one sentence naming the address and the
+  timeout. JAX alone waits 300 s, then aborts from C++ with a stack trace (exit 134)."""
+  import socket
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  out = tmp_path / "out"
+  runs = {  # the sentence's start → (flags, environment)
+      "process 1 of 2 could not reach the coordinator at 127.0.0.1:1 within 5 s":
+          (["--coordinator=127.0.0.1:1", "--num-processes=2", "--process-id=1", "--init-timeout=5"], ENV),
+      f"process 0 (the coordinator, at 127.0.0.1:{port}) waited 5 s and not all 2 processes joined":
+          ([f"--coordinator=127.0.0.1:{port}", "--num-processes=2", "--process-id=0"],
+           dict(ENV, MAXCTX_INIT_TIMEOUT="5")),
+  }
+  procs = {start: subprocess.Popen([sys.executable, "-m", "maxctx.train", "configs/demo.yml", f"run.output_dir={out}",
+                                    *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                   cwd=ROOT)
+           for start, (flags, env) in runs.items()}
+  for start, proc in procs.items():
+    try:
+      stdout, stderr = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+      proc.kill()
+      raise AssertionError(f"still waiting 120 s after starting, with --init-timeout 5: {start}") from None
+    assert proc.returncode == 2, (proc.returncode, stderr[-3000:])
+    assert "Traceback" not in stdout + stderr and "Check failure" not in stderr, stderr[-3000:]
+    last = stderr.rstrip().splitlines()[-1]
+    assert last.startswith(f"error: {start}") and "--init-timeout" in last and len(last) <= 1000, stderr[-3000:]
+    assert [l for l in stderr.splitlines() if l.startswith("error:")] == [last]
+  assert not out.exists()
 
 
 def test_train_errors_print_only_the_sentence_on_stderr(tmp_path):
