@@ -39,6 +39,7 @@ def validate(config: Config, num_devices: int, num_slices: int = 1, platform: st
   sizes = mesh_lib.axis_sizes(config.mesh, num_devices, num_slices)
   _check_batch(config, sizes)                                # the step's microbatches over the batch shards
   attention.validate(attention_problem(config, sizes, platform))  # heads, layout, kernel
+  _check_shardable(config, sizes)                            # the other model dimensions over the mesh
   _check_chunks(config, sizes)                               # the model's loss and MLP steps over local tokens
   _check_remat_group(config)                                 # nested remat over groups of scanned layers
   _check_offload(config, sizes, platform or jax.default_backend())   # what libtpu can copy to host memory
@@ -55,6 +56,19 @@ def _check_batch(config: Config, sizes: dict[str, int]) -> None:
   if micro % batch_shards:
     raise ConfigError(f"a microbatch of {micro} sequences (data.batch_size / optim.grad_accum) does not split over "
                       f"the {batch_shards} data×fsdp shards of the mesh; make it a multiple of {batch_shards}.")
+
+
+def _check_shardable(config: Config, sizes: dict[str, int]) -> None:
+  m = config.model
+  # The parameters' dimensions that maxctx.sharding splits over mesh axes (the heads are attention's own check).
+  for key, dim, logical in (("model.vocab_size", m.vocab_size, "vocab"), ("model.d_ff", m.d_ff, "mlp"),
+                            ("model.d_model", m.d_model, "embed")):
+    ways = sharding.ways(logical, sizes)
+    if dim % ways:
+      axes = dict(sharding.RULES)[logical]
+      over = " × ".join(f"{a} {sizes[a]}" for a in axes)
+      raise ConfigError(f"{key} {dim} is not divisible by the {ways} shards of the mesh ({over}) that its parameters "
+                        f"are split over; choose mesh sizes whose product divides {dim}, or a {key} they divide.")
 
 
 def _check_chunks(config: Config, sizes: dict[str, int]) -> None:
