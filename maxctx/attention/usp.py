@@ -35,7 +35,7 @@ class USP(Strategy):
     super().validate(p)
     self.require_chunked(p, self.name)
     degree = p.attention.ulysses_degree or default_degree(p.context, p.n_kv_heads // p.tensor)
-    if degree < 1 or p.context % degree:
+    if p.context % degree:   # attention.ulysses_degree >= 1 is the schema's rule
       raise ConfigError(f"attention.ulysses_degree {degree} does not divide the context degree {p.context}; "
                         f"choose a divisor of {p.context}.")
     check_heads(p, degree, self.name, "choose a smaller attention.ulysses_degree.")
