@@ -66,7 +66,7 @@ def _check_shardable(config: Config, sizes: dict[str, int]) -> None:
     ways = sharding.ways(logical, sizes)
     if dim % ways:
       axes = dict(sharding.RULES)[logical]
-      over = " × ".join(f"{a} {sizes[a]}" for a in axes)
+      over = " × ".join(f"{a} {sizes[a]}" for a in axes if sizes[a] > 1)
       raise ConfigError(f"{key} {dim} is not divisible by the {ways} shards of the mesh ({over}) that its parameters "
                         f"are split over; choose mesh sizes whose product divides {dim}, or a {key} they divide.")
 
