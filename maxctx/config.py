@@ -22,7 +22,7 @@ from typing import Any, Literal
 import yaml
 
 from maxctx import config_yaml
-from maxctx.config_types import coerce
+from maxctx.config_types import above, at_least, coerce, even, rules, within
 from maxctx.errors import EXCERPT_CHARS, ConfigError, excerpt
 
 # The repository's configs/, shipped in the package (maxctx/configs links to it in a checkout): base.yml and the model
@@ -30,12 +30,28 @@ from maxctx.errors import EXCERPT_CHARS, ConfigError, excerpt
 CONFIG_DIR = pathlib.Path(str(importlib.resources.files("maxctx") / "configs"))
 MESH_AXES = ("data", "fsdp", "context", "tensor")
 
+# Each key's rules on its value sit beside it in the schema below (config_types.rules; `check` applies them). 0
+# switches lr decay, weight decay, clipping, a momentum, the peak override, saving and the workers off; an epsilon, a
+# scale or a base of 0 breaks the numerics.
+
+
+def axis_size(key: str, value: int) -> str | None:
+  if value == 0 or value < -1:
+    return f"{key} is {value}; each axis size must be a positive integer or -1 (inferred)."
+  return None
+
+
+def resume_point(key: str, value: str) -> str | None:
+  if value not in ("auto", "never") and not value.isdigit():
+    return f"{key} is {excerpt(value)}; use auto, never, or a step number such as 100."
+  return None
+
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
   name: str
   output_dir: str
-  steps: int
+  steps: int = rules(at_least(1))
   seed: int
   on_nan: Literal["stop", "skip"]
 
@@ -43,37 +59,38 @@ class RunConfig:
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   preset: str
-  vocab_size: int
-  d_model: int
-  n_layers: int
-  n_heads: int
-  n_kv_heads: int
-  head_dim: int
-  d_ff: int
-  norm_eps: float
-  rope_theta: float
+  vocab_size: int = rules(at_least(2))
+  d_model: int = rules(at_least(1))
+  n_layers: int = rules(at_least(1))
+  n_heads: int = rules(at_least(1))
+  n_kv_heads: int = rules(at_least(1))
+  head_dim: int = rules(at_least(2, "rotary embeddings rotate pairs of dimensions"),
+                        even("for rotary embeddings"))
+  d_ff: int = rules(at_least(1))
+  norm_eps: float = rules(above(0))
+  rope_theta: float = rules(above(0))
   rope_scaling: bool
   rope_factor: float
   rope_low_freq_factor: float
   rope_high_freq_factor: float
   rope_original_context: int
-  init_std: float
+  init_std: float = rules(above(0))
   dtype: Literal["float32", "bfloat16"]
   param_dtype: Literal["float32", "bfloat16"]
   remat: Literal["none", "full", "full_offload", "save_dots", "save_attention_out", "auto"]
-  remat_group: int
+  remat_group: int = rules(at_least(1))
   scan_layers: bool
-  loss_chunk: int
-  mlp_chunk: int
+  loss_chunk: int = rules(at_least(1))
+  mlp_chunk: int = rules(at_least(0, "a number of tokens, or 0 for the whole sequence at once"))
 
 
 @dataclasses.dataclass(frozen=True)
 class AxesConfig:
   """Devices per mesh axis (-1: the rest of the devices; at most one axis)."""
-  data: int
-  fsdp: int
-  context: int
-  tensor: int
+  data: int = rules(axis_size)
+  fsdp: int = rules(axis_size)
+  context: int = rules(axis_size)
+  tensor: int = rules(axis_size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,16 +106,16 @@ class AttentionConfig:
   strategy: str
   kernel: str
   load_balance: bool
-  ulysses_degree: int | None
-  block_q: int | None
-  block_kv: int | None
+  ulysses_degree: int | None = rules(at_least(1))
+  block_q: int | None = rules(at_least(1))
+  block_kv: int | None = rules(at_least(1))
 
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-  source: str
-  seq_len: int
-  batch_size: int
+  source: Literal["synthetic", "passkey", "stdlib", "text", "jsonl", "arrayrecord", "tfds"]
+  seq_len: int = rules(at_least(2, "a sequence needs at least 2 tokens (an input and its target)"))
+  batch_size: int = rules(at_least(1))
   path: str
   text_field: str
   text_separator: str
@@ -107,29 +124,29 @@ class DataConfig:
   long_documents: Literal["split", "truncate"]
   bad_records: Literal["error", "skip"]
   shuffle: bool
-  num_workers: int
-  prefetch: int
+  num_workers: int = rules(at_least(0, "0 reads in the main process"))
+  prefetch: int = rules(at_least(0, "0 makes each batch when asked"))
 
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
-  lr: float
-  warmup_steps: int
-  decay_steps: int
-  min_lr_ratio: float
-  b1: float
-  b2: float
-  eps: float
-  weight_decay: float
-  clip_norm: float
-  grad_accum: int
+  lr: float = rules(at_least(0))
+  warmup_steps: int = rules(at_least(0))
+  decay_steps: int = rules(at_least(0))
+  min_lr_ratio: float = rules(within(0, 1))
+  b1: float = rules(within(0, 1))
+  b2: float = rules(within(0, 1))
+  eps: float = rules(above(0))
+  weight_decay: float = rules(at_least(0))
+  clip_norm: float = rules(at_least(0))
+  grad_accum: int = rules(at_least(1))
 
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
-  every_steps: int
-  keep: int
-  resume: str
+  every_steps: int = rules(at_least(0, "0 never saves"))
+  keep: int = rules(at_least(1, "2 or more lets a corrupt latest step fall back to the one before"))
+  resume: str = rules(resume_point)
   load_params: str
   async_save: bool
   overwrite: bool
@@ -137,9 +154,9 @@ class CheckpointConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MetricsConfig:
-  log_every: int
+  log_every: int = rules(at_least(1))
   tensorboard: bool
-  peak_tflops: float
+  peak_tflops: float = rules(at_least(0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,7 +176,7 @@ class EvalConfig:
 class CompileConfig:
   """What `python -m maxctx.compile` compiles for: a TPU topology (e.g. tpu7x-128) and its slice count."""
   topology: str
-  num_slices: int
+  num_slices: int = rules(at_least(1, "a job has at least one slice"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -331,49 +348,20 @@ def schema_keys(cls: type = Config, prefix: str = "") -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Rules on one key's value. Rules between keys, or against the devices, are the components' own (trainer.validate
-# calls each once).
-
-# (key, least, most, whether the least itself is allowed). 0 switches lr decay, weight decay, clipping, a momentum,
-# the peak override, saving and the workers off; an epsilon, a scale or a base of 0 breaks the numerics.
-RANGES = (
-    ("run.steps", 1, None, True), ("model.n_heads", 1, None, True), ("model.n_kv_heads", 1, None, True),
-    ("model.n_layers", 1, None, True), ("model.d_model", 1, None, True), ("model.head_dim", 2, None, True),
-    ("model.d_ff", 1, None, True), ("model.vocab_size", 2, None, True), ("model.loss_chunk", 1, None, True),
-    ("model.mlp_chunk", 0, None, True), ("model.remat_group", 1, None, True),
-    ("model.norm_eps", 0, None, False), ("model.rope_theta", 0, None, False),
-    ("model.init_std", 0, None, False), ("data.seq_len", 2, None, True), ("data.batch_size", 1, None, True),
-    ("data.num_workers", 0, None, True), ("data.prefetch", 0, None, True), ("optim.lr", 0, None, True),
-    ("optim.warmup_steps", 0, None, True), ("optim.decay_steps", 0, None, True), ("optim.min_lr_ratio", 0, 1, True),
-    ("optim.b1", 0, 1, True), ("optim.b2", 0, 1, True), ("optim.eps", 0, None, False),
-    ("optim.weight_decay", 0, None, True), ("optim.clip_norm", 0, None, True), ("optim.grad_accum", 1, None, True),
-    ("checkpoint.every_steps", 0, None, True), ("checkpoint.keep", 1, None, True),
-    ("metrics.log_every", 1, None, True), ("metrics.peak_tflops", 0, None, True),
-)
-# What a value out of range means, where a bare range would not say it.
-WHY = {"data.seq_len": "a sequence needs at least 2 tokens (an input and its target)",
-       "model.head_dim": "rotary embeddings rotate pairs of dimensions",
-       "checkpoint.keep": "2 or more lets a corrupt latest step fall back to the one before",
-       "model.mlp_chunk": "a number of tokens, or 0 for the whole sequence at once",
-       "data.num_workers": "0 reads in the main process", "data.prefetch": "0 makes each batch when asked",
-       "checkpoint.every_steps": "0 never saves"}
+# Checking each key's value.
 
 
-def check(config: Config) -> None:
-  """Refuses a value no run can use, naming the key and what it must be."""
-  tree = config.to_dict()
-  for key, least, most, closed in RANGES:
-    section, name = key.split(".")
-    value = tree[section][name]
-    if value < least or (value == least and not closed) or (most is not None and value > most):
-      allowed = f"in [{least:g}, {most:g}]" if most is not None else f"{'at least' if closed else 'above'} {least:g}"
-      why = f" ({WHY[key]})" if key in WHY else ""
-      raise ConfigError(f"{key} is {value:g}; it must be {allowed}{why}.")
-  if config.model.head_dim % 2:
-    raise ConfigError(f"model.head_dim {config.model.head_dim} must be even for rotary embeddings.")
-  resume = config.checkpoint.resume
-  if resume not in ("auto", "never") and not resume.isdigit():
-    raise ConfigError(f"checkpoint.resume is {excerpt(resume)}; use auto, never, or a step number such as 100.")
+def check(section: Any, prefix: str = "") -> None:
+  """Refuses a value no run can use, naming the key and what it must be: the rules the schema declares beside each
+  key of `section` (a whole Config, or one section with its dotted `prefix`, e.g. "mesh.ici.")."""
+  for f in dataclasses.fields(section):
+    value = getattr(section, f.name)
+    if dataclasses.is_dataclass(value):
+      check(value, f"{prefix}{f.name}.")
+      continue
+    for rule in f.metadata.get("rules", ()):
+      if (broken := rule(prefix + f.name, value)) is not None:
+        raise ConfigError(broken)
 
 
 def save(config: Config, directory: str | pathlib.Path) -> pathlib.Path:

@@ -1,12 +1,14 @@
-"""Typed values for the config: a YAML value checked against (and converted to) a schema field's type."""
+"""Typed values for the config: a YAML value checked against (and converted to) a schema field's type, and the
+rules on a value that the schema declares beside each key."""
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import math
 import types
 import typing
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 from maxctx.errors import ConfigError, excerpt
 
@@ -75,3 +77,43 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
   else:
     raise TypeError(f"unsupported schema type {tp!r} for {key}")
   raise ConfigError(f"config key {key} expects {_type_name(tp)}, got {excerpt(value)} ({type(value).__name__}).")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Rules on one key's value, declared beside the key in the schema (maxctx.config) and applied by config.check. A rule
+# takes the dotted key and the value and returns the one-sentence error, or None. Rules between keys, or against the
+# devices, belong to the components that read the keys (maxctx.trainer.validate calls each once).
+
+Rule = Callable[[str, Any], "str | None"]
+
+
+def rules(*checks: Rule) -> Any:
+  """A schema field whose value must pass `checks`. No default: base.yml holds the defaults."""
+  return dataclasses.field(metadata={"rules": checks})
+
+
+def _bound(least: float, most: float | None, closed: bool, why: str) -> Rule:
+  def rule(key: str, value: Any) -> str | None:
+    if value is None:   # null means "the default" where the type allows it
+      return None
+    if value < least or (value == least and not closed) or (most is not None and value > most):
+      allowed = f"in [{least:g}, {most:g}]" if most is not None else f"{'at least' if closed else 'above'} {least:g}"
+      return f"{key} is {value:g}; it must be {allowed}{f' ({why})' if why else ''}."
+    return None
+  return rule
+
+
+def at_least(least: float, why: str = "") -> Rule:
+  return _bound(least, None, True, why)
+
+
+def above(least: float, why: str = "") -> Rule:
+  return _bound(least, None, False, why)
+
+
+def within(least: float, most: float, why: str = "") -> Rule:
+  return _bound(least, most, True, why)
+
+
+def even(why: str) -> Rule:
+  return lambda key, value: None if value % 2 == 0 else f"{key} {value} must be even {why}."

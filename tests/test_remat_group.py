@@ -94,12 +94,12 @@ def test_offload_slices_keep_each_copy_under_4_gib():
 
 
 def test_offload_no_slice_of_whole_tiles_can_keep_under_4_gib_is_refused():
-  # A width of 1,031 (prime) has no slices of whole 128-lane tiles: 2 rows × 1,048,576 float32 tokens per device ×
-  # 1,031 is 8 GiB in one copy (in 1,031 one-column slices it would be 8 MiB each, which the tile rule refuses). A
-  # width of 1,024 goes in 4 slices of 256.
+  # A width of 1,032 (8 × 129: its parameters split over the 8 devices, but no 128-lane tile divides it) has no
+  # slices of whole tiles: 2 rows × 1,048,576 float32 tokens per device × 1,032 is 8 GiB in one copy (in 1,032
+  # one-column slices it would be 8 MiB each, which the tile rule refuses). A width of 1,024 goes in 4 slices of 256.
   seq_len = f"data.seq_len={2**20 * 8}"
-  c = _config("model.remat=full_offload", "model.d_model=1031", seq_len)
-  with pytest.raises(ConfigError, match=r"full_offload would copy saved layer inputs of 8,248 MiB per device to host "
+  c = _config("model.remat=full_offload", "model.d_model=1032", seq_len)
+  with pytest.raises(ConfigError, match=r"full_offload would copy saved layer inputs of 8,256 MiB per device to host "
                                         r"memory, and no slicing of the model width into multiples of 128 brings a "
                                         r"copy under 4,096 MiB, which libtpu needs; put more devices on"):
     trainer.validate(c, 8, platform="tpu")

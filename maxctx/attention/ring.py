@@ -293,7 +293,8 @@ class Ring(Strategy):
     fwd, bwd = ring_traffic(p.context, kv * dtype_bytes, ids_bytes(rows, t), kv * 4)
     return Traffic(forward={"collective-permute": fwd}, backward={"collective-permute": bwd})
 
-  def build(self, mesh, *, kernel, load_balance, ulysses_degree, block_q, block_kv):
+  def build(self, mesh, a):
     hops = mesh.shape[sharding.SEQ_AXIS]
     perm = [(i, (i + 1) % hops) for i in range(hops)]
-    return self.shard(mesh, ring_attention(kernels.parts(kernel, block_q, block_kv), sharding.SEQ_AXIS, perm, hops))
+    return self.shard(mesh, ring_attention(kernels.parts(a.kernel, a.block_q, a.block_kv), sharding.SEQ_AXIS, perm,
+                                           hops))

@@ -42,8 +42,7 @@ def load(path: str, overrides: list[str]) -> Config:
   if not config.compile.topology:
     raise ConfigError(f"no TPU topology to compile for: add compile.topology=<type> (e.g. tpu7x-128) to the command "
                       f"line or a `compile:` section to {path}.")
-  if config.compile.num_slices < 1:
-    raise ConfigError(f"compile.num_slices is {config.compile.num_slices}; a job has at least one slice.")
+  config_lib.check(config.compile, "compile.")
   return config
 
 
