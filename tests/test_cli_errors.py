@@ -146,8 +146,8 @@ CASES = [
      ["data.mixture[0].weight is -2; it must be above 0"]),
     ("mixture-weight-nan", "train", ["data.source=mixture", MIX.format("weight: .nan")],
      ["data.mixture[0].weight is nan"]),
-    ("mixture-path-missing", "train", ["data.source=mixture", "data.mixture=[{{source: jsonl, path: {F}/data/oob.jsonl, "
-                                       "weight: 1}}, {{source: jsonl, path: {F}/nothing.jsonl, weight: 1}}]"],
+    ("mixture-path-missing", "train", ["data.source=mixture", "data.mixture=[{{source: jsonl, path: {F}/data/oob."
+                                       "jsonl, weight: 1}}, {{source: jsonl, path: {F}/nothing.jsonl, weight: 1}}]"],
      ["data.mixture[1].path", "nothing.jsonl' does not exist"]),
     ("mixture-source-conflict", "train", [MIX.format("weight: 1")],
      ["data.mixture lists 1 source(s) but data.source is stdlib", "data.source=mixture"]),

@@ -37,8 +37,9 @@ def check(config: Config) -> None:
     raise ConfigError(f"data.mixture lists {len(d.mixture)} source(s) but data.source is {d.source}; set "
                       "data.source=mixture to train on the mixture, or data.mixture=[] to train on data.source alone.")
   if d.source == "mixture" and not d.mixture:
-    raise ConfigError("data.source is mixture but data.mixture is empty; list the sources, e.g. 'data.mixture=[{source: "
-                      "text, path: a.txt, weight: 3}, {source: jsonl, path: b.jsonl, weight: 1}]'.")
+    raise ConfigError("data.source is mixture but data.mixture is empty; list the sources, e.g. "
+                      "'data.mixture=[{source: text, path: a.txt, weight: 3}, {source: jsonl, path: b.jsonl, "
+                      "weight: 1}]'.")
   names = [name(d, i) for i in range(len(d.mixture))]
   if len(set(names)) < len(names):
     raise ConfigError(f"data.mixture names two sources alike ({', '.join(names)}); give each a different name.")
