@@ -22,7 +22,7 @@ from typing import Any, Literal
 import yaml
 
 from maxctx import config_yaml
-from maxctx.config_types import above, at_least, coerce, even, rules, within
+from maxctx.config_types import above, at_least, check, coerce, even, plain, record_type, rules, within
 from maxctx.errors import EXCERPT_CHARS, ConfigError, excerpt
 
 # The repository's configs/, shipped in the package (maxctx/configs links to it in a checkout): base.yml and the model
@@ -112,8 +112,19 @@ class AttentionConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MixtureSource:
+  """One entry of data.mixture; its optional keys default here (an entry names what it sets; base.yml says so)."""
+  source: Literal["stdlib", "text", "jsonl", "arrayrecord", "tfds"]
+  path: str
+  weight: float = rules(above(0, "its share of the mixture's tokens, relative to the other weights"))
+  name: str = ""            # TensorBoard's data/share/<name>; "" = the entry's index
+  text_field: str = "text"
+  text_separator: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
 class DataConfig:
-  source: Literal["synthetic", "passkey", "stdlib", "text", "jsonl", "arrayrecord", "tfds"]
+  source: Literal["synthetic", "passkey", "stdlib", "text", "jsonl", "arrayrecord", "tfds", "mixture"]
   seq_len: int = rules(at_least(2, "a sequence needs at least 2 tokens (an input and its target)"))
   batch_size: int = rules(at_least(1))
   path: str
@@ -124,6 +135,9 @@ class DataConfig:
   long_documents: Literal["split", "truncate"]
   bad_records: Literal["error", "skip"]
   shuffle: bool
+  mixture: tuple[MixtureSource, ...]
+  long_threshold: int = rules(at_least(0, "0 turns long-document up-sampling off"))
+  long_weight: float = rules(above(0))
   num_workers: int = rules(at_least(0, "0 reads in the main process"))
   prefetch: int = rules(at_least(0, "0 makes each batch when asked"))
 
@@ -194,7 +208,7 @@ class Config:
   compile: CompileConfig
 
   def to_dict(self) -> dict[str, Any]:
-    return dataclasses.asdict(self)
+    return plain(dataclasses.asdict(self))
 
   def to_yaml(self) -> str:
     return yaml.safe_dump(self.to_dict(), sort_keys=False)
@@ -318,50 +332,54 @@ def from_dict(tree: dict[str, Any]) -> Config:
 def _build(cls: type, tree: dict[str, Any], prefix: str) -> Any:
   hints = typing.get_type_hints(cls)
   kwargs = {}
-  names = [f.name for f in dataclasses.fields(cls)]
+  fields = {f.name: f for f in dataclasses.fields(cls)}
   for key in tree:
     if key not in hints:
-      raise ConfigError(_unknown_key_message(prefix + key, dict.fromkeys(names), prefix, "the config"))
-  for name in names:
+      raise ConfigError(_unknown_key_message(prefix + key, dict.fromkeys(fields), prefix, "the config"))
+  for name, f in fields.items():
     tp = hints[name]
     dotted = prefix + name
     if name not in tree:
+      if f.default is not dataclasses.MISSING:   # a record's optional key
+        continue
       raise ConfigError(f"config key {dotted} is missing; every key needs a value (see configs/base.yml).")
     if dataclasses.is_dataclass(tp):
       if not isinstance(tree[name], dict):
         raise ConfigError(f"config key {dotted} is a section and needs a mapping, not {excerpt(tree[name])}.")
       kwargs[name] = _build(tp, tree[name], dotted + ".")
+    elif record := record_type(tp):
+      kwargs[name] = _build_records(record, tree[name], dotted)
     else:
       kwargs[name] = coerce(tree[name], tp, dotted)
   return cls(**kwargs)
 
 
+def _build_records(record: type, value: Any, dotted: str) -> tuple:
+  """A YAML list of mappings (block, or flow: `[{a: 1}, {a: 2}]`) as `record`s, keys named `dotted[i].key`."""
+  if value is None:
+    return ()
+  if not isinstance(value, (list, tuple)):
+    raise ConfigError(f"config key {dotted} expects a list of mappings, got {excerpt(value)}; write it as YAML, e.g. "
+                      f"{dotted}=[{{source: text, path: a.txt, weight: 1}}].")
+  out = []
+  for i, entry in enumerate(value):
+    if not isinstance(entry, dict):
+      raise ConfigError(f"config key {dotted}[{i}] expects a mapping of keys, got {excerpt(entry)}.")
+    out.append(_build(record, entry, f"{dotted}[{i}]."))
+  return tuple(out)
+
+
 def schema_keys(cls: type = Config, prefix: str = "") -> list[str]:
   """Every leaf key of the schema, dotted; base.yml must define exactly these."""
   keys = []
-  for f, tp in zip(dataclasses.fields(cls), typing.get_type_hints(cls).values()):
+  hints = typing.get_type_hints(cls)
+  for f in dataclasses.fields(cls):
+    tp = hints[f.name]
     if dataclasses.is_dataclass(tp):
       keys.extend(schema_keys(tp, f"{prefix}{f.name}."))
     else:
       keys.append(prefix + f.name)
   return keys
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Checking each key's value.
-
-
-def check(section: Any, prefix: str = "") -> None:
-  """Refuses a value no run can use, naming the key and what it must be: the rules the schema declares beside each
-  key of `section` (a whole Config, or one section with its dotted `prefix`, e.g. "mesh.ici.")."""
-  for f in dataclasses.fields(section):
-    value = getattr(section, f.name)
-    if dataclasses.is_dataclass(value):
-      check(value, f"{prefix}{f.name}.")
-      continue
-    for rule in f.metadata.get("rules", ()):
-      if (broken := rule(prefix + f.name, value)) is not None:
-        raise ConfigError(broken)
 
 
 def save(config: Config, directory: str | pathlib.Path) -> pathlib.Path:

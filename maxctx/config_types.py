@@ -79,6 +79,23 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
   raise ConfigError(f"config key {key} expects {_type_name(tp)}, got {excerpt(value)} ({type(value).__name__}).")
 
 
+def record_type(tp: Any) -> type | None:
+  """The record of a list-of-records key (`tuple[Record, ...]`), else None."""
+  args = typing.get_args(tp)
+  if typing.get_origin(tp) is tuple and len(args) == 2 and args[1] is Ellipsis and dataclasses.is_dataclass(args[0]):
+    return args[0]
+  return None
+
+
+def plain(tree: Any) -> Any:
+  """asdict's tuples (a list of records) as lists: what YAML writes and JSON reads back."""
+  if isinstance(tree, dict):
+    return {k: plain(v) for k, v in tree.items()}
+  if isinstance(tree, (list, tuple)):
+    return [plain(v) for v in tree]
+  return tree
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Rules on one key's value, declared beside the key in the schema (maxctx.config) and applied by config.check. A rule
 # takes the dotted key and the value and returns the one-sentence error, or None. Rules between keys, or against the
@@ -117,3 +134,20 @@ def within(least: float, most: float, why: str = "") -> Rule:
 
 def even(why: str) -> Rule:
   return lambda key, value: None if value % 2 == 0 else f"{key} {value} must be even {why}."
+
+
+def check(section: Any, prefix: str = "") -> None:
+  """Refuses a value no run can use, naming the key and what it must be: the rules the schema declares beside each
+  key of `section` (a whole Config, or one section with its dotted `prefix`, e.g. "mesh.ici.")."""
+  for f in dataclasses.fields(section):
+    value = getattr(section, f.name)
+    if dataclasses.is_dataclass(value):
+      check(value, f"{prefix}{f.name}.")
+      continue
+    if isinstance(value, tuple):   # a list of records
+      for i, entry in enumerate(value):
+        check(entry, f"{prefix}{f.name}[{i}].")
+      continue
+    for rule in f.metadata.get("rules", ()):
+      if (broken := rule(prefix + f.name, value)) is not None:
+        raise ConfigError(broken)

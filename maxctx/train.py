@@ -119,7 +119,7 @@ def _loop(config, trainer, pipeline, evaluator, state, start, checkpoints, preem
   pending = None
   for step in range(start, config.run.steps):
     state, step_metrics = trainer.step(state, next(pipeline))
-    reporter.dispatched(step, step_metrics)
+    reporter.dispatched(step, {**step_metrics, **pipeline.shares()})   # shares: host floats, read with the step's
     if step == start:
       preemption.started()
     if pending is not None:

@@ -15,6 +15,7 @@ from jax.sharding import Mesh
 from maxctx import attention, chunks, mesh as mesh_lib, optim, sharding
 from maxctx import config as config_lib
 from maxctx.config import Config
+from maxctx.data import mixture as data_mixture
 from maxctx.errors import ConfigError
 from maxctx import model as model_lib
 from maxctx.model import Transformer
@@ -32,6 +33,7 @@ def validate(config: Config, num_devices: int, num_slices: int = 1, platform: st
   once, with one-sentence errors. Returns the mesh axis sizes. `platform` is the one the step will run on (default:
   this process's backend; `tpu` when compiling ahead of time from a CPU)."""
   config_lib.check(config)                                   # each key's value on its own
+  data_mixture.check(config)                                 # data.source and data.mixture name one stream
   if config.model.remat == "auto":
     raise ConfigError("model.remat auto is resolved only by maxctx.train, which measures the policies on the devices "
                       "present, and by maxctx.compile, which plans for its TPU slice; elsewhere name a policy, e.g. "

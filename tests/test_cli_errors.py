@@ -31,6 +31,10 @@ def _tree(root: pathlib.Path) -> dict[str, bytes | None] | None:
   return {str(p.relative_to(root)): (p.read_bytes() if p.is_file() else None) for p in sorted(root.rglob("*"))}
 
 
+# One data.mixture entry with the given weight (or a misspelt key), for str.format with the case's {F} kept.
+MIX = "data.mixture=[{{{{source: jsonl, path: {{F}}/data/oob.jsonl, {}}}}}]"
+
+
 @pytest.fixture(scope="module")
 def fx(tmp_path_factory) -> dict[str, pathlib.Path]:
   """Files the bad inputs point at."""
@@ -164,6 +168,21 @@ CASES = [
                                       "data.tokenizer={F}/tok.model"], ["badutf.jsonl line 2 is not UTF-8"]),
     ("data-text-not-utf8", "train", ["data.source=text", "data.path={F}/data/badutf.txt", "data.tokenizer={F}/tok.model"],
      ["badutf.txt line 2 is not UTF-8", "byte 0xff"]),
+    # A mixture of sources (data.mixture, flow YAML on the command line).
+    ("mixture-unknown-key", "train", ["data.source=mixture", MIX.format("wieght: 1")],
+     ["data.mixture[0].wieght", "did you mean data.mixture[0].weight?"]),
+    ("mixture-weight-zero", "train", ["data.source=mixture", MIX.format("weight: 0")],
+     ["data.mixture[0].weight is 0; it must be above 0"]),
+    ("mixture-weight-negative", "train", ["data.source=mixture", MIX.format("weight: -2")],
+     ["data.mixture[0].weight is -2; it must be above 0"]),
+    ("mixture-weight-nan", "train", ["data.source=mixture", MIX.format("weight: .nan")],
+     ["data.mixture[0].weight is nan"]),
+    ("mixture-path-missing", "train", ["data.source=mixture", "data.mixture=[{{source: jsonl, path: {F}/data/oob."
+                                       "jsonl, weight: 1}}, {{source: jsonl, path: {F}/nothing.jsonl, weight: 1}}]"],
+     ["data.mixture[1].path", "nothing.jsonl' does not exist"]),
+    ("mixture-source-conflict", "train", [MIX.format("weight: 1")],
+     ["data.mixture lists 1 source(s) but data.source is stdlib", "data.source=mixture"]),
+    ("mixture-empty", "train", ["data.source=mixture"], ["data.mixture is empty"]),
     ("data-token-out-of-vocab", "train", ["data.source=jsonl", "data.path={F}/data/oob.jsonl"],
      ["token id 99999", "model.vocab_size"]),
     ("data-text-not-ids", "train", ["data.source=jsonl", "data.path={F}/data/notlist.jsonl"],
