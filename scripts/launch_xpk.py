@@ -29,9 +29,10 @@ import sys
 ROOT = pathlib.Path(os.path.abspath(__file__)).parent.parent
 sys.path.insert(0, str(ROOT))
 
-from maxctx import compile as compile_lib  # noqa: E402
 from maxctx import config as config_lib  # noqa: E402
 from maxctx import topology as topology_lib  # noqa: E402
+from maxctx.compile import step as compile_step  # noqa: E402
+from maxctx.compile.report import CompileReport  # noqa: E402
 from maxctx.errors import ConfigError, MaxctxError  # noqa: E402
 
 MAX_WORKLOAD_NAME = 40   # XPK's limit: the JobSet name also names pods and services
@@ -122,7 +123,7 @@ def _load(recipe: pathlib.Path, overrides: list[str], tpu_type: str | None, num_
   extra = [f"compile.topology={tpu_type}"] if tpu_type else []
   extra.append(f"compile.num_slices={num_slices}")
   try:
-    return compile_lib.load(str(recipe), overrides + extra)
+    return compile_step.load(str(recipe), overrides + extra)
   except ConfigError as e:
     if "no TPU topology" in str(e):
       raise ConfigError(f"no TPU type for {recipe}: pass --tpu-type (e.g. tpu7x-128) or add compile.topology to the "
@@ -134,7 +135,7 @@ def _check_fits_slices(config, topo: topology_lib.Topology, num_slices: int) -> 
   """The checks `maxctx.train` makes at start-up, made now for the devices the job will have."""
   from maxctx import trainer
   try:
-    compile_lib._validate(trainer, config, topo.devices * num_slices, num_slices)
+    compile_step._validate(trainer, config, topo.devices * num_slices, num_slices)
   except ConfigError as e:
     hint = " (or pass --dcn-axis)" if "mesh.dcn" in str(e) else ""
     raise ConfigError(f"the recipe cannot run on {num_slices} × {topo.name} ({topo.devices * num_slices} devices): "
@@ -144,13 +145,13 @@ def _check_fits_slices(config, topo: topology_lib.Topology, num_slices: int) -> 
 def _check_fit_is_proven(recipe: pathlib.Path, config, overrides: list[str], fit_report: str | None) -> None:
   """Refuses a launch whose step no compile has shown to fit: one that differs from the recipe's own compile section
   (`compile.topology`, `compile.num_slices`: what the README's table compiled) without a fit report for it."""
-  target = compile_lib.step_key(config)
+  target = compile_step.step_key(config)
   where = f"{config.compile.num_slices} × {target['topology']}"
   if fit_report is None:
     own = config_lib.load(str(recipe))
     if own.compile.topology:
       try:
-        difference = compile_lib.first_difference(compile_lib.step_key(own), target)
+        difference = compile_step.first_difference(compile_step.step_key(own), target)
       except ConfigError:   # the recipe's mesh does not fit its own topology: nothing of it was compiled
         difference = ("compile.topology", own.compile.topology, target["topology"])
       if difference is None:
@@ -166,14 +167,14 @@ def _check_fit_is_proven(recipe: pathlib.Path, config, overrides: list[str], fit
     raise ConfigError(f"{why}, so nothing shows that it fits in {where}'s HBM; check it with `{check} > fit.json` "
                       "(minutes on one CPU core, no TPU) and pass --fit-report fit.json.")
   try:
-    report = compile_lib.CompileReport.from_json(json.loads(pathlib.Path(fit_report).read_text()))
+    report = CompileReport.from_json(json.loads(pathlib.Path(fit_report).read_text()))
   except (OSError, ValueError, TypeError) as e:
     raise ConfigError(f"--fit-report {fit_report} is not a report of `python -m maxctx.compile ... --json` ({e}); "
                       "write it with that command.") from None
   if report.step is None:
     raise ConfigError(f"--fit-report {fit_report} comes from a maxctx.compile that did not record the step it "
                       "compiled; compile again with this version and pass the new report.")
-  if difference := compile_lib.first_difference(report.step, target):
+  if difference := compile_step.first_difference(report.step, target):
     key, was, now = difference
     raise ConfigError(f"--fit-report {fit_report} was compiled with {key}={was}, but this launch has {key}={now}; "
                       "compile the launched step (the same recipe, --tpu-type, --num-slices and overrides) and pass "

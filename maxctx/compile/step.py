@@ -24,10 +24,10 @@ import time
 from typing import Any, Callable
 
 from maxctx import config as config_lib
-from maxctx import hlo as hlo_lib
 from maxctx import scopes
 from maxctx import topology as topology_lib
-from maxctx.compile_report import CompileReport, Memory, format_report
+from maxctx.compile import hlo as hlo_lib
+from maxctx.compile.report import CompileReport, Memory
 from maxctx.config import Config
 from maxctx.errors import ConfigError
 
