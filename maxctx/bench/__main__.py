@@ -1,4 +1,5 @@
-"""Strategy benchmark: tokens/s, peak memory and communication share per CP strategy and sequence length.
+"""How do the context-parallel strategies compare, length by length? Tokens/s, peak memory and communication share
+per strategy and sequence length, as tables and plots (to choose what to run, use maxctx.plan).
 
     python -m maxctx.bench configs/bench.yml [section.key=value ...] [--strategies none,all_gather,ulysses,ring,usp]
         [--lengths 256,512,1k,2k] [--steps 3] [--rounds 1] [--context 4] [--also RUN_FILE]... [--out DIR]
@@ -7,8 +8,10 @@
 
 Without --topology it trains each strategy × length for a few steps on the devices present (the same model, data and
 global batch every time) and measures; with --topology nothing runs: each configuration is compiled for that TPU slice
-and estimated (maxctx.bench.aot, maxctx.bench.roofline). Writes results.jsonl, results.md, tokens_per_s.png,
-memory.png, comm_share.png and tensorboard/ (scalars under bench/) to --out (default <run.output_dir>/bench[-TOPOLOGY]).
+and estimated (maxctx.bench.aot, maxctx.bench.roofline). Each strategy runs on the config's mesh and memory policy:
+the sweep compares strategies, where `python -m maxctx.plan` also searches splits and policies and writes the one to
+run. Writes results.jsonl, results.md, tokens_per_s.png, memory.png, comm_share.png and tensorboard/ (scalars under
+bench/) to --out (default <run.output_dir>/bench[-TOPOLOGY]).
 --also adds a run file (with the command's overrides) as it stands, its strategy, mesh and memory policy at its own
 data.seq_len, beside the sweep's cases of that length, e.g. a recipe from maxctx.plan; with --rounds it is timed in
 the same turns as they are. It should train the sweep's model on its data (the float32 loss check compares them).

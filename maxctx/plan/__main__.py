@@ -83,8 +83,8 @@ def _parser() -> argparse.ArgumentParser:
                                       "the loss's logits (default: the run's only)")
   p.add_argument("--steps", type=int, default=3, help="timed steps per candidate after one warm-up (default 3)")
   p.add_argument("--out", help="output directory (default <run.output_dir>/plan, or plan-<topology> with --topology)")
-  p.add_argument("--topology", help="plan for this TPU slice (e.g. v5p-128, tpu7x-128) without running: each "
-                                    "candidate is compiled for it and estimated, as maxctx.bench --topology does")
+  p.add_argument("--topology", help="plan for this TPU slice (e.g. v5p-128, tpu7x-128) without running: the cost "
+                                    "model ranks the candidates and the best are compiled for it until one fits")
   p.add_argument("--num-slices", type=int, default=1, help="with --topology: slices over DCN (default 1)")
   p.add_argument("--reports", action="append", default=[],
                  help="with --topology: a directory of maxctx.compile --json reports to reuse (repeatable)")
