@@ -24,10 +24,10 @@ import shutil
 import subprocess
 import sys
 
-from maxctx import compile as compile_lib
 from maxctx import config as config_lib
 from maxctx import topology as topology_lib
 from maxctx.compile import fit
+from maxctx.compile import step as compile_step
 from maxctx.errors import ConfigError, MaxctxError
 
 MAX_WORKLOAD_NAME = 40   # XPK's limit: the JobSet name also names pods and services
@@ -174,7 +174,7 @@ def _load(recipe: pathlib.Path, overrides: list[str], tpu_type: str | None, num_
   extra = [f"compile.topology={tpu_type}"] if tpu_type else []
   extra.append(f"compile.num_slices={num_slices}")
   try:
-    return compile_lib.load(str(recipe), overrides + extra)
+    return compile_step.load(str(recipe), overrides + extra)
   except ConfigError as e:
     if "no TPU topology" in str(e):
       raise ConfigError(f"no TPU type for {recipe}: pass --tpu-type (e.g. tpu7x-128) or add compile.topology to the "

@@ -200,9 +200,9 @@ def test_hlo_contains_the_strategy_collectives(strategy, kw, present, absent):
 
 def test_every_pass_of_the_ring_is_counted_in_the_compiled_step(monkeypatch):
   # The ring's pass loop has a bound XLA cannot see (Ring.pass_loop), so no compiler states its trip count; its op
-  # name carries it (scopes.trips) and maxctx.hlo reads it there. Two KV heads in a pass each (PASS_BYTES lowered)
-  # make two passes: each hop's collectives run twice as often, and no loop's count is unknown.
-  from maxctx import hlo
+  # name carries it (scopes.trips) and maxctx.compile.hlo reads it there. Two KV heads in a pass each (PASS_BYTES
+  # lowered) make two passes: each hop's collectives run twice as often, and no loop's count is unknown.
+  from maxctx.compile import hlo
   from maxctx.attention import ring
   one = hlo.collectives(compiled_vjp("ring", make_mesh(), 2, 256, 8, 2, 16).as_text(), 8)
   monkeypatch.setattr(ring, "PASS_BYTES", 1)

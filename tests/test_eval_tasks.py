@@ -10,6 +10,7 @@ import pytest
 from maxctx.data import tokenizers
 from maxctx.errors import ConfigError, DataError
 from maxctx.data import tasks
+from maxctx import lengths
 from maxctx.eval import local, sweep
 
 
@@ -127,10 +128,10 @@ def test_user_errors_are_one_sentence_before_anything_runs(pieces, tmp_path):
   with pytest.raises(ConfigError, match="did you mean 'passkey'"):
     sweep.parse_tasks("passkye", "--tasks")
   with pytest.raises(ConfigError, match="--lengths has length '4q'"):
-    sweep.parse_lengths("1k,4q", "--lengths")
+    lengths.parse_lengths("1k,4q", "--lengths")
   with pytest.raises(ConfigError, match=r"depth '1.5'.* in \[0, 1\]"):
     sweep.parse_depths("0,1.5", "--depths")
-  assert sweep.parse_lengths("512, 1k,16K,1m", "x") == [512, 1024, 16384, 1 << 20]
+  assert lengths.parse_lengths("512, 1k,16K,1m", "x") == [512, 1024, 16384, 1 << 20]
   missing = tmp_path / "nope.jsonl"
   with pytest.raises(DataError, match="does not exist"):
     local.read(str(missing), pieces)

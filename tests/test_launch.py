@@ -12,7 +12,8 @@ import tomllib
 import pytest
 import yaml
 
-from maxctx import compile as compile_lib
+from maxctx.compile import step as compile_step
+from maxctx.compile.report import CompileReport
 from maxctx import launch
 from maxctx import topology
 
@@ -49,10 +50,10 @@ def _fit_report(tmp_path, recipe: str, overrides: list[str], fits: bool = True) 
   """A `maxctx.compile --json` report for `recipe` with `overrides` that says `fits`: the fields the launcher reads
   are the compile's own (`step_key`); the rest are placeholders (a real report's round trip is tested in
   test_compile)."""
-  config = compile_lib.load(recipe, overrides)
-  tree = {f.name: 0 for f in dataclasses.fields(compile_lib.CompileReport)
+  config = compile_step.load(recipe, overrides)
+  tree = {f.name: 0 for f in dataclasses.fields(CompileReport)
           if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
-  tree.update(step=compile_lib.step_key(config), fits=fits, over_bytes=0 if fits else 3 * 2**30)
+  tree.update(step=compile_step.step_key(config), fits=fits, over_bytes=0 if fits else 3 * 2**30)
   path = tmp_path / "fit.json"
   path.write_text(json.dumps(tree))
   return str(path)

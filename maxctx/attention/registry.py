@@ -35,8 +35,8 @@ class Problem:
 
 @dataclasses.dataclass(frozen=True)
 class Traffic:
-  """Bytes one device sends for attention, by collective kind, counted as maxctx.hlo counts a compiled step's (an
-  all-gather over G devices sends (G-1)x its operand, a reduce-scatter or all-to-all (G-1)/G of it, a ring hop its
+  """Bytes one device sends for attention, by collective kind, counted as maxctx.compile.hlo counts a compiled step's
+  (an all-gather over G devices sends (G-1)x its operand, a reduce-scatter or all-to-all (G-1)/G of it, a ring hop its
   block): `forward` and `backward` of one layer, and `once` per step (the segment ids and positions every layer
   shares, which the compiler moves out of the layer loop)."""
   forward: dict[str, float]
@@ -101,7 +101,7 @@ class Strategy:
 
   def buffer_bytes(self, p: Problem, rows: int, head_dim: int, dtype_bytes: int) -> float:
     """Bytes of attention buffers one device holds at a layer's backward peak beyond its own q, k, v, output and
-    their gradients, for `rows` sequences per device: the planner's estimate (maxctx.plan_model, checked there
+    their gradients, for `rows` sequences per device: the planner's estimate (maxctx.plan.cost_model, checked there
     against compiled steps), not a bound. 0 where the strategy works on its own share only."""
     return 0.0
 

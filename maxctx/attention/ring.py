@@ -187,7 +187,7 @@ class _Ring:
     the ring's collectives then sat beside the layer's other collectives with nothing ordering them; devices ran them
     in different orders and the step deadlocked (seen with one pass of all heads in tests/test_resume.py). So that
     the compiled step's collective bytes still count every pass, the loop's op name carries n (scopes.trips, read by
-    maxctx.hlo)."""
+    maxctx.compile.hlo)."""
     with jax.named_scope(scopes.trips(n)):
       return jax.lax.fori_loop(0, n + jnp.minimum(jax.lax.axis_index(self.axis), 0), body, carry)
 
