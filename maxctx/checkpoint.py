@@ -2,7 +2,7 @@
 
   <run.output_dir>/checkpoints/<step>/
     state/  TrainState (step, params, opt_state) as Orbax arrays; restored into this run's mesh shardings, so a run
-            saved on one mesh continues on another (`scripts/convert_hf.py export` reads its `params` subtree)
+            saved on one mesh continues on another (`python -m maxctx.convert export` reads its `params` subtree)
     data/   process_<i>-of-<n>.json: each process's data pipeline state, written by grain's Orbax handler
     meta/   the resolved config, the mesh and the process count that wrote the step
 

@@ -14,24 +14,44 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.resources
 import pathlib
 import typing
 from typing import Any, Literal
 
 import yaml
 
-from maxctx.config_types import coerce
-from maxctx.errors import ConfigError
+from maxctx import config_yaml
+from maxctx.config_types import above, at_least, check, coerce, even, plain, record_type, rules, within
+from maxctx.errors import EXCERPT_CHARS, ConfigError, excerpt
 
-CONFIG_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
+# The repository's configs/, shipped in the package (maxctx/configs links to it in a checkout): base.yml and the model
+# presets are found from any working directory, in a wheel as in an editable install. A run file is a plain path.
+CONFIG_DIR = pathlib.Path(str(importlib.resources.files("maxctx") / "configs"))
 MESH_AXES = ("data", "fsdp", "context", "tensor")
+
+# Each key's rules on its value sit beside it in the schema below (config_types.rules; `check` applies them). 0
+# switches lr decay, weight decay, clipping, a momentum, the peak override, saving and the workers off; an epsilon, a
+# scale or a base of 0 breaks the numerics.
+
+
+def axis_size(key: str, value: int) -> str | None:
+  if value == 0 or value < -1:
+    return f"{key} is {value}; each axis size must be a positive integer or -1 (inferred)."
+  return None
+
+
+def resume_point(key: str, value: str) -> str | None:
+  if value not in ("auto", "never") and not value.isdigit():
+    return f"{key} is {excerpt(value)}; use auto, never, or a step number such as 100."
+  return None
 
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
   name: str
   output_dir: str
-  steps: int
+  steps: int = rules(at_least(1))
   seed: int
   on_nan: Literal["stop", "skip"]
 
@@ -39,37 +59,38 @@ class RunConfig:
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   preset: str
-  vocab_size: int
-  d_model: int
-  n_layers: int
-  n_heads: int
-  n_kv_heads: int
-  head_dim: int
-  d_ff: int
-  norm_eps: float
-  rope_theta: float
+  vocab_size: int = rules(at_least(2))
+  d_model: int = rules(at_least(1))
+  n_layers: int = rules(at_least(1))
+  n_heads: int = rules(at_least(1))
+  n_kv_heads: int = rules(at_least(1))
+  head_dim: int = rules(at_least(2, "rotary embeddings rotate pairs of dimensions"),
+                        even("for rotary embeddings"))
+  d_ff: int = rules(at_least(1))
+  norm_eps: float = rules(above(0))
+  rope_theta: float = rules(above(0))
   rope_scaling: bool
   rope_factor: float
   rope_low_freq_factor: float
   rope_high_freq_factor: float
   rope_original_context: int
-  init_std: float
+  init_std: float = rules(above(0))
   dtype: Literal["float32", "bfloat16"]
   param_dtype: Literal["float32", "bfloat16"]
   remat: Literal["none", "full", "full_offload", "save_dots", "save_attention_out", "auto"]
-  remat_group: int
+  remat_group: int = rules(at_least(1))
   scan_layers: bool
-  loss_chunk: int
-  mlp_chunk: int
+  loss_chunk: int = rules(at_least(1))
+  mlp_chunk: int = rules(at_least(0, "a number of tokens, or 0 for the whole sequence at once"))
 
 
 @dataclasses.dataclass(frozen=True)
 class AxesConfig:
   """Devices per mesh axis (-1: the rest of the devices; at most one axis)."""
-  data: int
-  fsdp: int
-  context: int
-  tensor: int
+  data: int = rules(axis_size)
+  fsdp: int = rules(axis_size)
+  context: int = rules(axis_size)
+  tensor: int = rules(axis_size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,16 +106,27 @@ class AttentionConfig:
   strategy: str
   kernel: str
   load_balance: bool
-  ulysses_degree: int | None
-  block_q: int | None
-  block_kv: int | None
+  ulysses_degree: int | None = rules(at_least(1))
+  block_q: int | None = rules(at_least(1))
+  block_kv: int | None = rules(at_least(1))
+
+
+@dataclasses.dataclass(frozen=True)
+class MixtureSource:
+  """One entry of data.mixture; its optional keys default here (an entry names what it sets; base.yml says so)."""
+  source: Literal["stdlib", "text", "jsonl", "arrayrecord", "tfds"]
+  path: str
+  weight: float = rules(above(0, "its share of the mixture's tokens, relative to the other weights"))
+  name: str = ""            # TensorBoard's data/share/<name>; "" = the entry's index
+  text_field: str = "text"
+  text_separator: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-  source: str
-  seq_len: int
-  batch_size: int
+  source: Literal["synthetic", "passkey", "stdlib", "text", "jsonl", "arrayrecord", "tfds", "mixture"]
+  seq_len: int = rules(at_least(2, "a sequence needs at least 2 tokens (an input and its target)"))
+  batch_size: int = rules(at_least(1))
   path: str
   text_field: str
   text_separator: str
@@ -103,29 +135,32 @@ class DataConfig:
   long_documents: Literal["split", "truncate"]
   bad_records: Literal["error", "skip"]
   shuffle: bool
-  num_workers: int
-  prefetch: int
+  mixture: tuple[MixtureSource, ...]
+  long_threshold: int = rules(at_least(0, "0 turns long-document up-sampling off"))
+  long_weight: float = rules(above(0))
+  num_workers: int = rules(at_least(0, "0 reads in the main process"))
+  prefetch: int = rules(at_least(0, "0 makes each batch when asked"))
 
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
-  lr: float
-  warmup_steps: int
-  decay_steps: int
-  min_lr_ratio: float
-  b1: float
-  b2: float
-  eps: float
-  weight_decay: float
-  clip_norm: float
-  grad_accum: int
+  lr: float = rules(at_least(0))
+  warmup_steps: int = rules(at_least(0))
+  decay_steps: int = rules(at_least(0))
+  min_lr_ratio: float = rules(within(0, 1))
+  b1: float = rules(within(0, 1))
+  b2: float = rules(within(0, 1))
+  eps: float = rules(above(0))
+  weight_decay: float = rules(at_least(0))
+  clip_norm: float = rules(at_least(0))
+  grad_accum: int = rules(at_least(1))
 
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
-  every_steps: int
-  keep: int
-  resume: str
+  every_steps: int = rules(at_least(0, "0 never saves"))
+  keep: int = rules(at_least(1, "2 or more lets a corrupt latest step fall back to the one before"))
+  resume: str = rules(resume_point)
   load_params: str
   async_save: bool
   overwrite: bool
@@ -133,9 +168,9 @@ class CheckpointConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MetricsConfig:
-  log_every: int
+  log_every: int = rules(at_least(1))
   tensorboard: bool
-  peak_tflops: float
+  peak_tflops: float = rules(at_least(0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,7 +190,7 @@ class EvalConfig:
 class CompileConfig:
   """What `python -m maxctx.compile` compiles for: a TPU topology (e.g. tpu7x-128) and its slice count."""
   topology: str
-  num_slices: int
+  num_slices: int = rules(at_least(1, "a job has at least one slice"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,7 +208,7 @@ class Config:
   compile: CompileConfig
 
   def to_dict(self) -> dict[str, Any]:
-    return dataclasses.asdict(self)
+    return plain(dataclasses.asdict(self))
 
   def to_yaml(self) -> str:
     return yaml.safe_dump(self.to_dict(), sort_keys=False)
@@ -191,22 +226,7 @@ class Config:
 
 
 def _read_yaml(path: pathlib.Path) -> dict[str, Any]:
-  try:
-    text = path.read_text()
-  except OSError as e:
-    raise ConfigError(f"cannot read config file {path}: {e.strerror}; check the path.") from None
-  try:
-    tree = yaml.safe_load(text)
-  except yaml.YAMLError as e:
-    where = getattr(e, "problem_mark", None)
-    line = f" line {where.line + 1}" if where else ""
-    problem = getattr(e, "problem", e)
-    raise ConfigError(f"config file {path}{line} is not valid YAML ({problem}); fix the syntax.") from None
-  if tree is None:
-    return {}
-  if not isinstance(tree, dict):
-    raise ConfigError(f"config file {path} must hold a mapping of sections, not a {type(tree).__name__}.")
-  return tree
+  return config_yaml.read(path)
 
 
 def _merge(base: dict[str, Any], over: dict[str, Any], where: str, prefix: str = "") -> dict[str, Any]:
@@ -217,7 +237,7 @@ def _merge(base: dict[str, Any], over: dict[str, Any], where: str, prefix: str =
       raise ConfigError(_unknown_key_message(dotted, base, prefix, where))
     if isinstance(base[key], dict):
       if not isinstance(value, dict):
-        raise ConfigError(f"config key {dotted} in {where} is a section and needs a mapping, not {value!r}.")
+        raise ConfigError(f"config key {dotted} in {where} is a section and needs a mapping, not {excerpt(value)}.")
       out[key] = _merge(base[key], value, where, dotted + ".")
     else:
       out[key] = value
@@ -235,6 +255,7 @@ def _closest_key(dotted: str, siblings: list[str], prefix: str) -> str | None:
 
 
 def _unknown_key_message(dotted: str, siblings: dict[str, Any], prefix: str, where: str) -> str:
+  dotted = dotted[:EXCERPT_CHARS]   # a key is a value a user typed: shown, and matched, in part only
   close = _closest_key(dotted, list(siblings), prefix)
   hint = f"did you mean {close}?" if close else "see configs/base.yml for every key."
   return f"unknown config key {dotted} in {where}; {hint}"
@@ -259,10 +280,10 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: Any, where: str) -> No
 def parse_override(arg: str) -> tuple[str, Any]:
   """`section.key=value` → (dotted key, YAML-parsed value)."""
   if "=" not in arg:
-    raise ConfigError(f"command-line argument {arg!r} is not of the form section.key=value (e.g. run.steps=20).")
+    raise ConfigError(f"command-line argument {excerpt(arg)} is not of the form section.key=value (e.g. run.steps=20).")
   key, text = arg.split("=", 1)
   try:
-    value = yaml.safe_load(text) if text != "" else ""
+    value = config_yaml.loads(text) if text != "" else ""
   except yaml.YAMLError:
     value = text
   return key.strip(), value
@@ -311,79 +332,54 @@ def from_dict(tree: dict[str, Any]) -> Config:
 def _build(cls: type, tree: dict[str, Any], prefix: str) -> Any:
   hints = typing.get_type_hints(cls)
   kwargs = {}
-  names = [f.name for f in dataclasses.fields(cls)]
+  fields = {f.name: f for f in dataclasses.fields(cls)}
   for key in tree:
     if key not in hints:
-      raise ConfigError(_unknown_key_message(prefix + key, dict.fromkeys(names), prefix, "the config"))
-  for name in names:
+      raise ConfigError(_unknown_key_message(prefix + key, dict.fromkeys(fields), prefix, "the config"))
+  for name, f in fields.items():
     tp = hints[name]
     dotted = prefix + name
     if name not in tree:
+      if f.default is not dataclasses.MISSING:   # a record's optional key
+        continue
       raise ConfigError(f"config key {dotted} is missing; every key needs a value (see configs/base.yml).")
     if dataclasses.is_dataclass(tp):
       if not isinstance(tree[name], dict):
-        raise ConfigError(f"config key {dotted} is a section and needs a mapping, not {tree[name]!r}.")
+        raise ConfigError(f"config key {dotted} is a section and needs a mapping, not {excerpt(tree[name])}.")
       kwargs[name] = _build(tp, tree[name], dotted + ".")
+    elif record := record_type(tp):
+      kwargs[name] = _build_records(record, tree[name], dotted)
     else:
       kwargs[name] = coerce(tree[name], tp, dotted)
   return cls(**kwargs)
 
 
+def _build_records(record: type, value: Any, dotted: str) -> tuple:
+  """A YAML list of mappings (block, or flow: `[{a: 1}, {a: 2}]`) as `record`s, keys named `dotted[i].key`."""
+  if value is None:
+    return ()
+  if not isinstance(value, (list, tuple)):
+    raise ConfigError(f"config key {dotted} expects a list of mappings, got {excerpt(value)}; write it as YAML, e.g. "
+                      f"{dotted}=[{{source: text, path: a.txt, weight: 1}}].")
+  out = []
+  for i, entry in enumerate(value):
+    if not isinstance(entry, dict):
+      raise ConfigError(f"config key {dotted}[{i}] expects a mapping of keys, got {excerpt(entry)}.")
+    out.append(_build(record, entry, f"{dotted}[{i}]."))
+  return tuple(out)
+
+
 def schema_keys(cls: type = Config, prefix: str = "") -> list[str]:
   """Every leaf key of the schema, dotted; base.yml must define exactly these."""
   keys = []
-  for f, tp in zip(dataclasses.fields(cls), typing.get_type_hints(cls).values()):
+  hints = typing.get_type_hints(cls)
+  for f in dataclasses.fields(cls):
+    tp = hints[f.name]
     if dataclasses.is_dataclass(tp):
       keys.extend(schema_keys(tp, f"{prefix}{f.name}."))
     else:
       keys.append(prefix + f.name)
   return keys
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Rules on one key's value. Rules between keys, or against the devices, are the components' own (trainer.validate
-# calls each once).
-
-# (key, least, most, whether the least itself is allowed). 0 switches lr decay, weight decay, clipping, a momentum,
-# the peak override, saving and the workers off; an epsilon, a scale or a base of 0 breaks the numerics.
-RANGES = (
-    ("run.steps", 1, None, True), ("model.n_heads", 1, None, True), ("model.n_kv_heads", 1, None, True),
-    ("model.n_layers", 1, None, True), ("model.d_model", 1, None, True), ("model.head_dim", 2, None, True),
-    ("model.d_ff", 1, None, True), ("model.vocab_size", 2, None, True), ("model.loss_chunk", 1, None, True),
-    ("model.mlp_chunk", 0, None, True), ("model.remat_group", 1, None, True),
-    ("model.norm_eps", 0, None, False), ("model.rope_theta", 0, None, False),
-    ("model.init_std", 0, None, False), ("data.seq_len", 2, None, True), ("data.batch_size", 1, None, True),
-    ("data.num_workers", 0, None, True), ("data.prefetch", 0, None, True), ("optim.lr", 0, None, True),
-    ("optim.warmup_steps", 0, None, True), ("optim.decay_steps", 0, None, True), ("optim.min_lr_ratio", 0, 1, True),
-    ("optim.b1", 0, 1, True), ("optim.b2", 0, 1, True), ("optim.eps", 0, None, False),
-    ("optim.weight_decay", 0, None, True), ("optim.clip_norm", 0, None, True), ("optim.grad_accum", 1, None, True),
-    ("checkpoint.every_steps", 0, None, True), ("checkpoint.keep", 1, None, True),
-    ("metrics.log_every", 1, None, True), ("metrics.peak_tflops", 0, None, True),
-)
-# What a value out of range means, where a bare range would not say it.
-WHY = {"data.seq_len": "a sequence needs at least 2 tokens (an input and its target)",
-       "model.head_dim": "rotary embeddings rotate pairs of dimensions",
-       "checkpoint.keep": "2 or more lets a corrupt latest step fall back to the one before",
-       "model.mlp_chunk": "a number of tokens, or 0 for the whole sequence at once",
-       "data.num_workers": "0 reads in the main process", "data.prefetch": "0 makes each batch when asked",
-       "checkpoint.every_steps": "0 never saves"}
-
-
-def check(config: Config) -> None:
-  """Refuses a value no run can use, naming the key and what it must be."""
-  tree = config.to_dict()
-  for key, least, most, closed in RANGES:
-    section, name = key.split(".")
-    value = tree[section][name]
-    if value < least or (value == least and not closed) or (most is not None and value > most):
-      allowed = f"in [{least:g}, {most:g}]" if most is not None else f"{'at least' if closed else 'above'} {least:g}"
-      why = f" ({WHY[key]})" if key in WHY else ""
-      raise ConfigError(f"{key} is {value:g}; it must be {allowed}{why}.")
-  if config.model.head_dim % 2:
-    raise ConfigError(f"model.head_dim {config.model.head_dim} must be even for rotary embeddings.")
-  resume = config.checkpoint.resume
-  if resume not in ("auto", "never") and not resume.isdigit():
-    raise ConfigError(f"checkpoint.resume is {resume!r}; use auto, never, or a step number such as 100.")
 
 
 def save(config: Config, directory: str | pathlib.Path) -> pathlib.Path:

@@ -5,8 +5,31 @@ The entry points catch these and print the sentence without a traceback; anythin
 
 
 import argparse
+import reprlib
 import sys
-from typing import Callable, NoReturn
+from typing import Any, Callable, NoReturn
+
+# The most of a value an error shows: enough to recognise it, never a flood (a 10 MB string, a deep list).
+EXCERPT_CHARS = 100
+# The most of a sentence an entry point prints; what is longer is cut in the middle (the what and the fix survive).
+SENTENCE_CHARS = 1000
+_REPR = reprlib.Repr(maxlevel=3, maxtuple=6, maxlist=6, maxarray=6, maxdict=6, maxset=6, maxstring=EXCERPT_CHARS,
+                     maxother=EXCERPT_CHARS)
+
+
+def excerpt(value: Any, limit: int = EXCERPT_CHARS) -> str:
+  """repr(value) for an error, at most `limit` characters: built without expanding a huge or deeply nested value."""
+  text = _REPR.repr(value)
+  return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
+def sentence(e: BaseException) -> str:
+  """An error's sentence as printed, cut to SENTENCE_CHARS."""
+  text = " ".join(str(e).split("\n"))
+  if len(text) <= SENTENCE_CHARS:
+    return text
+  head = SENTENCE_CHARS * 2 // 3
+  return f"{text[:head]} … {text[len(text) - (SENTENCE_CHARS - head - 3):]}"
 
 
 def exit_code(body: Callable[[], int | None]) -> int:
@@ -15,7 +38,7 @@ def exit_code(body: Callable[[], int | None]) -> int:
   try:
     return body() or 0
   except MaxctxError as e:
-    print(f"error: {e}", file=sys.stderr)
+    print(f"error: {sentence(e)}", file=sys.stderr)
     return 2
   except KeyboardInterrupt:
     print("interrupted", file=sys.stderr)

@@ -8,7 +8,7 @@ the head axes split out, so the mapping is a transpose and a reshape. Neither si
 format and maxctx both rotate the two halves of the head dimension (the interleave↔halves permutation exists only
 in HF's converter from Meta's original checkpoints), which tests/test_hf_parity.py checks against transformers.
 
-`scripts/convert_hf.py` uses these to import and export checkpoints on disk.
+`maxctx.convert` uses these to import and export checkpoints on disk.
 """
 
 from __future__ import annotations

@@ -10,16 +10,14 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh
 
+from maxctx import config as config_lib
 from maxctx.config import MESH_AXES, MeshConfig
 from maxctx.errors import ConfigError
 
 
 def _sizes(axes, name: str) -> dict[str, int]:
-  sizes = {a: getattr(axes, a) for a in MESH_AXES}
-  for a, s in sizes.items():
-    if s == 0 or s < -1:
-      raise ConfigError(f"mesh.{name}.{a} is {s}; each axis size must be a positive integer or -1 (inferred).")
-  return sizes
+  config_lib.check(axes, f"mesh.{name}.")   # each size on its own, as the schema says
+  return {a: getattr(axes, a) for a in MESH_AXES}
 
 
 def resolve_axes(mesh_cfg: MeshConfig, num_devices: int, num_slices: int = 1) -> tuple[dict[str, int], dict[str, int]]:

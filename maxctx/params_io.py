@@ -1,7 +1,7 @@
 """Parameters from disk and the checks that they fit: what `checkpoint.load_params` and maxctx.eval read.
 
-A parameters directory is an Orbax PyTree: the `params/` that scripts/convert_hf.py import writes, or the `state/` of
-a training checkpoint step (whose `params` subtree is read and the optimizer state skipped). A tree that does not fit
+A parameters directory is an Orbax PyTree: the `params/` that `python -m maxctx.convert import` writes, or the `state/`
+of a training checkpoint step (whose `params` subtree is read and the optimizer state skipped). A tree that does not fit
 the model is refused naming the first parameter that differs, before anything is restored.
 """
 
@@ -83,25 +83,29 @@ def check_tree(saved: Any, wanted: Any, where: str, fix: str) -> None:
       raise CheckpointError(f"{where} holds {_what(name)} (shape {shape}), which the model does not have; {fix}")
 
 
-def _params_dir(name: str) -> epath.Path:
+LOAD_PARAMS = "checkpoint.load_params"
+
+
+def _params_dir(name: str, what: str) -> epath.Path:
   """The Orbax PyTree directory that `name` names, or a sentence saying why it names none."""
   path = path_of(name)
-  for inner in ("params", STATE):  # A convert_hf.py output directory, or a step of a training run.
+  for inner in ("params", STATE):  # A maxctx.convert import output directory, or a step of a training run.
     if (path / inner).is_dir():
       return path / inner
   if (path / "checkpoints").is_dir():
     steps = sorted(int(p.name) for p in (path / "checkpoints").iterdir() if p.name.isdigit())
     example = path / "checkpoints" / str(steps[-1]) if steps else path / "checkpoints" / "<step>"
-    raise CheckpointError(f"checkpoint.load_params {path} is a run directory, not a step of it; pass one of its "
-                          f"checkpoint steps, e.g. checkpoint.load_params={example}.")
+    example = f"{what}={example}" if what == LOAD_PARAMS else example
+    raise CheckpointError(f"{what} {path} is a run directory, not a step of it; pass one of its checkpoint steps, "
+                          f"e.g. {example}.")
   if not path.is_dir():
-    raise CheckpointError(f"checkpoint.load_params {path} is not a directory; pass the output of "
-                          "scripts/convert_hf.py import or a checkpoint step directory.")
+    raise CheckpointError(f"{what} {path} is not a directory; pass the output of python -m maxctx.convert import "
+                          "or a checkpoint step directory.")
   return path
 
 
-def _tree(checkpointer, path: epath.Path) -> Any:
-  where = f"checkpoint.load_params {path}"
+def _tree(checkpointer, path: epath.Path, what: str) -> Any:
+  where = f"{what} {path}"
   try:
     with quiet_orbax():
       tree = checkpointer.metadata(path).item_metadata
@@ -111,41 +115,42 @@ def _tree(checkpointer, path: epath.Path) -> Any:
     return tree
   except Exception as e:  # noqa: BLE001
     raise CheckpointError(f"{where} is not a readable Orbax checkpoint ({why(e)}); pass the params directory "
-                          "scripts/convert_hf.py import wrote, or a checkpoint step.") from None
+                          "python -m maxctx.convert import wrote, or a checkpoint step.") from None
 
 
-_FIX = ("set the model.* keys to those the parameters were made with (convert_hf.py writes them to model.yml beside "
-        "params/; a run's config.yml holds them).")
+_FIX = ("set the model.* keys to those the parameters were made with (maxctx.convert import writes them to model.yml "
+        "beside params/; a run's config.yml holds them).")
 
 
-def _checked(checkpointer, path: epath.Path, abstract_params: Any) -> bool:
+def _checked(checkpointer, path: epath.Path, abstract_params: Any, what: str) -> bool:
   """Whether the tree at `path` is a training state (params beside opt_state); raises if its params do not fit."""
-  tree = _tree(checkpointer, path)
+  tree = _tree(checkpointer, path, what)
   # A training checkpoint holds the params under 'params' next to the optimizer state; only that subtree is read.
   nested = isinstance(tree, dict) and "params" in tree and "opt_state" in tree
   check_tree({"params": tree["params"] if nested else tree}, {"params": abstract_params},
-             f"checkpoint.load_params {path}", _FIX)
+             f"{what} {path}", _FIX)
   return nested
 
 
-def check_params(name: str, abstract_params: Any) -> None:
+def check_params(name: str, abstract_params: Any, what: str = LOAD_PARAMS) -> None:
   """Refuses `checkpoint.load_params` = `name` unless it holds parameters that fit `abstract_params`, reading only
-  metadata: a run checks this before it creates anything."""
-  path = _params_dir(name)
+  metadata: a run checks this before it creates anything. `what` names the path in errors."""
+  path = _params_dir(name, what)
   with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
-    _checked(checkpointer, path, abstract_params)
+    _checked(checkpointer, path, abstract_params, what)
 
 
-def read_params(name: str, abstract_params: Any) -> Any:
+def read_params(name: str, abstract_params: Any, what: str = LOAD_PARAMS) -> Any:
   """The parameters at `checkpoint.load_params` = `name`, restored into `abstract_params`' shapes and shardings.
 
-  `name` is a parameters directory (an Orbax PyTree as scripts/convert_hf.py import writes it, or a directory holding
-  `params/`) or a training checkpoint step (`<step>/state`, whose `params` subtree is read and the optimizer state
-  skipped). Training (`checkpoint.load_params`) and maxctx.eval both read parameters here.
+  `name` is a parameters directory (an Orbax PyTree as `python -m maxctx.convert import` writes it, or a directory
+  holding `params/`) or a training checkpoint step (`<step>/state`, whose `params` subtree is read and the optimizer
+  state skipped). Training (`checkpoint.load_params`), maxctx.eval and maxctx.convert export all read parameters here;
+  `what` names the path in errors.
   """
-  path = _params_dir(name)
+  path = _params_dir(name, what)
   with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
-    nested = _checked(checkpointer, path, abstract_params)
+    nested = _checked(checkpointer, path, abstract_params, what)
     target = {"params": abstract_params} if nested else abstract_params
     t = time.perf_counter()
     restored = checkpointer.restore(path, args=ocp.args.PyTreeRestore(

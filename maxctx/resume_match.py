@@ -27,6 +27,8 @@ MUST_MATCH = (
     "model.rope_low_freq_factor", "model.rope_high_freq_factor", "model.rope_original_context", "model.param_dtype",
     "model.scan_layers", "attention.load_balance", *STREAM_KEYS,
 )
+# Keys added since checkpoints were first saved, with the value that does what a checkpoint saved before them did.
+ADDED = {"data.mixture": [], "data.long_threshold": 0, "data.long_weight": 1.0}
 # Not a key but a fact about one: clipping adds a stage to the optimizer state's structure.
 CLIPS = "optim.clip_norm > 0"
 
@@ -42,6 +44,7 @@ def _lookup(tree: dict[str, Any], dotted: str) -> Any:
 def fingerprint(tree: dict[str, Any]) -> dict[str, Any]:
   """What must match to resume, from a config's dict (this run's or a saved one)."""
   out = {k: _lookup(tree, k) for k in MUST_MATCH}
+  out.update({k: v for k, v in ADDED.items() if out[k] is None})
   clip = _lookup(tree, "optim.clip_norm")
   out[CLIPS] = clip is not None and clip > 0
   return out

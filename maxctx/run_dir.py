@@ -14,8 +14,13 @@ With several processes only process 0 takes the lock, for the whole job, and tel
 the processes of one job share the directory, those of any other job are refused.
 
 A directory that cannot be written (a file in the way, a read-only filesystem, no permission) is refused here too,
-before anything compiles. A run that stops before it has trained a step (a data error in the first batch, say)
-removes what it wrote: config.yml (or puts the previous one back), its TensorBoard files, the directories it made.
+before anything compiles. A run that stops before it has trained a step (a data error in the first batch, say, or a
+SIGTERM during the first compile: `abandon`) removes what it wrote: config.yml (or puts the previous one back), its
+TensorBoard files, the lock, the directories it made.
+
+The lock holds the resolved directory (run.output_dir may be a link) and all the run writes must lie in it: a
+checkpoints/, tensorboard/ or config.yml that is a link or a bind mount could lead into another run, and is refused,
+as is a path whose `..` follows a link, or one inside maxctx's package or the repository's configs/.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import time
 import jax
 import numpy as np
 
+from maxctx.config import CONFIG_DIR
 from maxctx.errors import ConfigError, MaxctxError
 
 log = logging.getLogger("maxctx")
@@ -40,6 +46,12 @@ LOCK = "maxctx.lock"
 HEARTBEAT_S = 30
 STALE_S = 300
 _MESSAGE_BYTES = 2048  # A refusal, broadcast from process 0 to the others.
+# What a run writes in its directory, each of which must be the directory's own.
+OWN = ("checkpoints", "tensorboard", "config.yml")
+_PACKAGE = pathlib.Path(__file__).resolve().parent
+# maxctx's own files: a run writing there would mix its files into the package or the recipes.
+_PROTECTED = (("the maxctx package", _PACKAGE), ("the repository's configs directory", CONFIG_DIR.resolve()))
+MOUNTINFO = "/proc/self/mountinfo"
 
 
 def _process_start(pid: int) -> str | None:
@@ -74,11 +86,53 @@ def _first_existing(path: pathlib.Path) -> pathlib.Path:
   return path
 
 
-def check_writable(name: str, key: str = "run.output_dir") -> None:
-  """Refuses a directory that cannot be created or written, creating nothing. URLs (gs://...) are not checked."""
+def resolved(name: str) -> pathlib.Path:
+  """The directory `name` names, links and `..` resolved as the filesystem resolves them."""
+  return pathlib.Path(os.path.realpath(os.path.expanduser(name)))
+
+
+def _bind_mounts() -> dict[str, str]:
+  """{mount point: the directory of its filesystem mounted there} for the mounts of a part of a filesystem (bind
+  mounts); whole filesystems (a disk mounted at its root) are not listed."""
+  try:
+    text = pathlib.Path(MOUNTINFO).read_text()
+  except OSError:
+    return {}
+  unescape = lambda field: field.encode().decode("unicode_escape").encode("latin-1").decode(errors="replace")
+  rows = [line.split() for line in text.splitlines()]
+  return {unescape(f[4]): unescape(f[3]) for f in rows if len(f) > 4 and f[3] != "/"}
+
+
+def check_own(name: str, key: str = "run.output_dir") -> None:
+  """Refuses a run directory whose files would not all lie in the directory its lock holds, or that lies in maxctx's
+  own files. Creates nothing; URLs (gs://...) are not checked."""
   if "://" in name:
     return
-  path = pathlib.Path(os.path.abspath(os.path.expanduser(name)))
+  lexical = pathlib.Path(os.path.abspath(os.path.expanduser(name)))
+  real = resolved(name)
+  if resolved(str(lexical)) != real:
+    raise ConfigError(f"{key} {name} follows a link and then `..` into {real}, not {lexical}; write the directory's "
+                      f"own path, so that the run's lock holds the directory it writes.")
+  for what, d in _PROTECTED:
+    if real == d or d in real.parents:
+      raise ConfigError(f"{key} {name} is inside {what} ({d}); use a directory of its own, such as runs/<name>.")
+  binds = _bind_mounts()
+  for sub in OWN:
+    p = real / sub
+    if p.is_symlink() or str(p) in binds:
+      how = f"a link to {os.path.realpath(p)}" if p.is_symlink() else f"a bind mount of {binds[str(p)]}"
+      raise ConfigError(f"{key} {name} holds {sub} as {how}, where the run's lock does not reach (it could be "
+                        f"another run's); remove the link or mount, or set {key} to the run directory it belongs to; "
+                        f"to keep a run on another disk, put its whole directory there.")
+
+
+def check_writable(name: str, key: str = "run.output_dir") -> None:
+  """Refuses a directory that cannot be created or written, or whose files would escape its lock (`check_own`),
+  creating nothing. URLs (gs://...) are not checked."""
+  if "://" in name:
+    return
+  check_own(name, key)
+  path = resolved(name)
   base = _first_existing(path)
   if not base.is_dir():
     what = "is a file" if base == path else f"is under {base}, which is not a directory"
@@ -108,7 +162,7 @@ class RunDir:
   def __init__(self, name: str):
     self.name = name
     self.url = "://" in name
-    self.path = pathlib.Path(name if self.url else os.path.abspath(os.path.expanduser(name)))
+    self.path = pathlib.Path(name) if self.url else resolved(name)
     self.lock = self.path / LOCK
     self._created: list[pathlib.Path] = []
     self._held = False
@@ -147,6 +201,21 @@ class RunDir:
     except OSError as e:
       log.warning("could not remove the run's lock %s (%s); the next run will find it stale.", self.lock, e)
     if exc is not None and not self._kept and not self.url:
+      self._undo()
+
+  def abandon(self) -> None:
+    """The run ends now, before its first step, without unwinding (SIGTERM during the first compile, from another
+    thread): removes its lock and what it wrote, as leaving the `with` block on an error would. The process must end
+    right after."""
+    self._stop.set()
+    if not self._held or self._kept:
+      return
+    self._held = False
+    try:
+      self._remove(self.lock)
+    except OSError:
+      pass  # The next run finds it stale.
+    if not self.url:
       self._undo()
 
   def _snapshot(self) -> None:

@@ -16,5 +16,5 @@ TRIPS = "maxctx_trips_"
 
 def trips(n: int) -> str:
   """The scope around a loop that runs n times though its bound is opaque to XLA (the ring's passes), so that
-  maxctx.hlo counts its collectives n times: the while's op name then ends in `/maxctx_trips_<n>/while`."""
+  maxctx.compile.hlo counts its collectives n times: the while's op name then ends in `/maxctx_trips_<n>/while`."""
   return f"{TRIPS}{n}"

@@ -2,12 +2,13 @@
 
 Model code annotates arrays with logical names (`batch`, `seq`, `embed`, ...); this table says where they live.
 Parameters and optimizer state are sharded over fsdp *and* context (ZeRO-3 across the CP group): at CP=128 an 8B
-model replicated over the context axis would not fit. A dimension that an axis size does not divide is left
-unsharded on that axis rather than padded.
+model replicated over the context axis would not fit. A dimension that its axes do not divide is an error, not a
+silent replication (logical_to_spec).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, Sequence
 
 import flax.linen as nn
@@ -34,23 +35,35 @@ HEAD_AXIS = _RULES["act_heads"][0]
 
 
 def logical_to_spec(logical: Sequence[str | None], shape: Sequence[int], mesh_shape: dict[str, int]) -> P:
-  """A PartitionSpec for an array of `shape` named `logical`, skipping axes that do not divide a dimension."""
+  """A PartitionSpec for an array of `shape` named `logical` (None: not sharded). Raises ValueError where a name is
+  not in RULES, where two names would shard over one mesh axis, or where a dimension does not split evenly over its
+  axes: replicating such a dimension instead would cost memory no plan counted. What a user's config can cause
+  (a model dimension the mesh does not divide) is refused earlier, with the key to change (maxctx.trainer.validate);
+  a caller that wants a dimension replicated names it None."""
   if len(logical) != len(shape):
     raise ValueError(f"logical axes {logical} do not match shape {shape}")
-  used: set[str] = set()
+  used: dict[str, str] = {}
   spec = []
   for name, dim in zip(logical, shape):
-    axes = []
-    size = 1
-    for axis in _RULES.get(name, ()) if name else ():
-      n = mesh_shape.get(axis, 1)
-      if axis in used or n == 1 or dim % (size * n):
-        continue
-      axes.append(axis)
-      size *= n
-    used.update(axes)
-    spec.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
+    if name is not None and name not in _RULES:
+      raise ValueError(f"logical axis {name!r} (of an array {tuple(shape)}) has no rule in maxctx.sharding.RULES")
+    axes = tuple(a for a in _RULES.get(name, ()) if mesh_shape.get(a, 1) > 1) if name else ()   # size 1: no split
+    for axis in axes:
+      if axis in used:
+        raise ValueError(f"logical axes {used[axis]!r} and {name!r} of {tuple(logical)} both map to mesh axis "
+                         f"{axis!r}; an array can be split over a mesh axis only once")
+      used[axis] = name
+    ways = math.prod(mesh_shape[a] for a in axes)
+    if dim % ways:
+      raise ValueError(f"dimension {name!r} of size {dim} (array {tuple(shape)}, axes {tuple(logical)}) does not split "
+                       f"over mesh axes {axes}, {ways} ways")
+    spec.append(None if not axes else axes[0] if len(axes) == 1 else axes)
   return P(*spec)
+
+
+def ways(logical: str, mesh_shape: dict[str, int]) -> int:
+  """How many ways a dimension named `logical` is split on a mesh of `mesh_shape` (axis name → size)."""
+  return math.prod(mesh_shape.get(axis, 1) for axis in _RULES[logical])
 
 
 def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
@@ -64,12 +77,7 @@ def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
 def shards(logical: str) -> int:
   """How many ways the current mesh (`jax.set_mesh`) splits a dimension named `logical`; 1 without a mesh."""
   mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty:
-    return 1
-  n = 1
-  for axis in _RULES.get(logical, ()):
-    n *= dict(mesh.shape).get(axis, 1)
-  return n
+  return 1 if mesh.empty else ways(logical, dict(mesh.shape))
 
 
 def tree_shardings(mesh: Mesh, abstract_tree: Any) -> Any:

@@ -26,6 +26,7 @@ import time
 import jax
 import numpy as np
 
+from maxctx import attention
 from maxctx import checkpoint as checkpoint_lib
 from maxctx import config as config_lib
 from maxctx import console
@@ -33,7 +34,6 @@ from maxctx import data as data_lib
 from maxctx import distributed
 from maxctx import mesh as mesh_lib
 from maxctx import metrics as metrics_lib
-from maxctx import plan_auto
 from maxctx import preemption as preemption_lib
 from maxctx import run_dir as run_dir_lib
 from maxctx.chips import HOST_MEMORY_SHARE
@@ -79,7 +79,7 @@ def fit(config: config_lib.Config) -> Fit:
   devices = jax.devices()
   out_dir = pathlib.Path(config.run.output_dir)
   run_dir_lib.check_writable(config.run.output_dir)
-  config = plan_auto.resolve(config, devices, out_dir / "config.yml")   # attention.strategy auto: measured, or kept
+  config = _planned(config, devices, out_dir / "config.yml")
   sizes = validate(config, len(devices), mesh_lib.num_slices_of(devices))
   _check_host_memory(config, sizes)
   mesh = mesh_lib.build_mesh(config.mesh, devices)
@@ -94,6 +94,7 @@ def fit(config: config_lib.Config) -> Fit:
       checkpoint_lib.check_params(config.checkpoint.load_params, trainer.abstract_state().params)
     # Holding the directory before Checkpoints looks at it: a second run must not clean up the first one's saves.
     with run_dir_lib.RunDir(config.run.output_dir) as run_dir, checkpoint_lib.Checkpoints(config, mesh) as checkpoints:
+      preemption.before_start(run_dir.abandon)   # SIGTERM before the first step removes what the run wrote
       state = checkpoints.restore_or_init(trainer, pipeline)
       if jax.process_index() == 0:
         config_lib.save(config, out_dir)
@@ -118,7 +119,7 @@ def _loop(config, trainer, pipeline, evaluator, state, start, checkpoints, preem
   pending = None
   for step in range(start, config.run.steps):
     state, step_metrics = trainer.step(state, next(pipeline))
-    reporter.dispatched(step, step_metrics)
+    reporter.dispatched(step, {**step_metrics, **pipeline.shares()})   # shares: host floats, read with the step's
     if step == start:
       preemption.started()
     if pending is not None:
@@ -151,6 +152,16 @@ def _loop(config, trainer, pipeline, evaluator, state, start, checkpoints, preem
     reporter.report(pending, checkpoints)
   jax.block_until_ready(state)
   return state
+
+
+def _planned(config: config_lib.Config, devices, saved: pathlib.Path) -> config_lib.Config:
+  """`config`, with `attention.strategy: auto` or `model.remat: auto` planned on these devices (or the plan `saved`
+  kept, for a resumed run). The planner is a tool that measures candidates here: imported only when a run says `auto`,
+  so a run that names its strategy and policy loads none of it (tests/test_imports.py)."""
+  if config.attention.strategy != attention.AUTO and config.model.remat != "auto":
+    return config
+  from maxctx.plan import auto
+  return auto.resolve(config, devices, saved)
 
 
 def host_memory_bytes() -> int:

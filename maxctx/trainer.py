@@ -15,6 +15,7 @@ from jax.sharding import Mesh
 from maxctx import attention, chunks, mesh as mesh_lib, optim, sharding
 from maxctx import config as config_lib
 from maxctx.config import Config
+from maxctx.data import mixture as data_mixture
 from maxctx.errors import ConfigError
 from maxctx import model as model_lib
 from maxctx.model import Transformer
@@ -32,13 +33,15 @@ def validate(config: Config, num_devices: int, num_slices: int = 1, platform: st
   once, with one-sentence errors. Returns the mesh axis sizes. `platform` is the one the step will run on (default:
   this process's backend; `tpu` when compiling ahead of time from a CPU)."""
   config_lib.check(config)                                   # each key's value on its own
+  data_mixture.check(config)                                 # data.source and data.mixture name one stream
   if config.model.remat == "auto":
     raise ConfigError("model.remat auto is resolved only by maxctx.train, which measures the policies on the devices "
                       "present, and by maxctx.compile, which plans for its TPU slice; elsewhere name a policy, e.g. "
                       "from the recipe.yml of python -m maxctx.plan CONFIG --remat auto.")
   sizes = mesh_lib.axis_sizes(config.mesh, num_devices, num_slices)
   _check_batch(config, sizes)                                # the step's microbatches over the batch shards
-  attention.validate(config.attention.strategy, attention_problem(config, sizes, platform))  # heads, layout, kernel
+  attention.validate(attention_problem(config, sizes, platform))  # heads, layout, kernel
+  _check_shardable(config, sizes)                            # the other model dimensions over the mesh
   _check_chunks(config, sizes)                               # the model's loss and MLP steps over local tokens
   _check_remat_group(config)                                 # nested remat over groups of scanned layers
   _check_offload(config, sizes, platform or jax.default_backend())   # what libtpu can copy to host memory
@@ -55,6 +58,19 @@ def _check_batch(config: Config, sizes: dict[str, int]) -> None:
   if micro % batch_shards:
     raise ConfigError(f"a microbatch of {micro} sequences (data.batch_size / optim.grad_accum) does not split over "
                       f"the {batch_shards} data×fsdp shards of the mesh; make it a multiple of {batch_shards}.")
+
+
+def _check_shardable(config: Config, sizes: dict[str, int]) -> None:
+  m = config.model
+  # The parameters' dimensions that maxctx.sharding splits over mesh axes (the heads are attention's own check).
+  for key, dim, logical in (("model.vocab_size", m.vocab_size, "vocab"), ("model.d_ff", m.d_ff, "mlp"),
+                            ("model.d_model", m.d_model, "embed")):
+    ways = sharding.ways(logical, sizes)
+    if dim % ways:
+      axes = dict(sharding.RULES)[logical]
+      over = " × ".join(f"{a} {sizes[a]}" for a in axes if sizes[a] > 1)
+      raise ConfigError(f"{key} {dim} is not divisible by the {ways} shards of the mesh ({over}) that its parameters "
+                        f"are split over; choose mesh sizes whose product divides {dim}, or a {key} they divide.")
 
 
 def _check_chunks(config: Config, sizes: dict[str, int]) -> None:
@@ -121,19 +137,14 @@ def _check_offload(config: Config, sizes: dict[str, int], platform: str) -> None
 
 def attention_problem(config: Config, sizes: dict[str, int], platform: str | None = None) -> attention.Problem:
   """What the attention strategy is asked to run: the model's heads, the sequence and the mesh's degrees."""
-  m, a = config.model, config.attention
-  return attention.Problem(
-      context=sizes["context"], tensor=sizes["tensor"], n_heads=m.n_heads, n_kv_heads=m.n_kv_heads,
-      seq_len=config.data.seq_len, kernel=a.kernel, load_balance=a.load_balance, ulysses_degree=a.ulysses_degree,
-      block_q=a.block_q, block_kv=a.block_kv, platform=platform, head_dim=m.head_dim)
+  m = config.model
+  return attention.Problem(config.attention, context=sizes["context"], tensor=sizes["tensor"], n_heads=m.n_heads,
+                           n_kv_heads=m.n_kv_heads, seq_len=config.data.seq_len, platform=platform,
+                           head_dim=m.head_dim)
 
 
 def build_model(config: Config, mesh: Mesh | None) -> Transformer:
-  a = config.attention
-  attention_fn = None
-  if mesh is not None:
-    attention_fn = attention.build(a.strategy, mesh, kernel=a.kernel, load_balance=a.load_balance,
-                                   ulysses_degree=a.ulysses_degree, block_q=a.block_q, block_kv=a.block_kv)
+  attention_fn = attention.build(config.attention, mesh) if mesh is not None else None
   pieces = max(1, offload_pieces(config, dict(mesh.shape))) if mesh is not None else 1
   return Transformer(config.model, attention_fn, pieces)
 

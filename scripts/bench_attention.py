@@ -162,16 +162,16 @@ def main(argv=None) -> list[dict]:
       # validate as on the kernel's own platform; off it the kernel runs interpreted (see the docstring).
       home = attention.kernels.KERNELS[kernel].platforms if kernel in attention.kernels.KERNELS else None
       interpreted = home is not None and jax.default_backend() not in home
-      problem = attention.Problem(context=args.context, tensor=1, n_heads=n, n_kv_heads=k, seq_len=t, kernel=kernel,
-                                  load_balance=args.load_balance, ulysses_degree=degree, block_q=args.block_q,
-                                  block_kv=args.block_kv, head_dim=h, platform=home[0] if interpreted else None)
+      config = attention.AttentionConfig(strategy=strategy, kernel=kernel, load_balance=args.load_balance,
+                                         ulysses_degree=degree, block_q=args.block_q, block_kv=args.block_kv)
+      problem = attention.Problem(config, context=args.context, tensor=1, n_heads=n, n_kv_heads=k, seq_len=t,
+                                  head_dim=h, platform=home[0] if interpreted else None)
       try:
-        attention.validate(strategy, problem)
+        attention.validate(problem)
       except ConfigError as err:   # a refused combination is a row, not a crash
         print(f"{label:<28} {kernel:<10} refused: {err}")
         continue
-      fn = attention.build(strategy, mesh, kernel=kernel, load_balance=args.load_balance, ulysses_degree=degree,
-                           block_q=args.block_q, block_kv=args.block_kv)
+      fn = attention.build(config, mesh)
       for suffix, seg_pos in id_sets.items():
         rows.append(prepare(label + suffix, kernel, fn, seg_pos))
         rows[-1]["interpreted"] = interpreted

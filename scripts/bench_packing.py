@@ -46,7 +46,6 @@ def run_one(method: str, seq_len: int, sequences: int) -> dict:
   import grain
   import numpy as np
 
-  sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
   from maxctx.data import packing
 
   docs = Documents(seq_len)

@@ -4,6 +4,7 @@ and the strategies under jit, scan over layers and remat."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
@@ -106,6 +107,19 @@ def test_zigzag_layout_balances_and_inverts():
 # --- validate --------------------------------------------------------------------------------------------------
 
 BASE = dict(context=8, tensor=1, n_heads=8, n_kv_heads=2, seq_len=1024, kernel="blockwise")
+SECTION = {f.name for f in dataclasses.fields(attention.AttentionConfig)}
+
+
+def section(strategy, kernel="blockwise", load_balance=False, ulysses_degree=None, block_q=None, block_kv=None):
+  """The run's attention section with base.yml's defaults."""
+  return attention.AttentionConfig(strategy, kernel, load_balance, ulysses_degree, block_q, block_kv)
+
+
+def problem(strategy, **changes):
+  """BASE with `changes`, the attention section's keys among them going into the section."""
+  kw = {**BASE, **changes}
+  return attention.Problem(section(strategy, **{k: v for k, v in kw.items() if k in SECTION}),
+                           **{k: v for k, v in kw.items() if k not in SECTION})
 
 
 @pytest.mark.parametrize("strategy, changes, message", [
@@ -133,28 +147,28 @@ BASE = dict(context=8, tensor=1, n_heads=8, n_kv_heads=2, seq_len=1024, kernel="
 ])
 def test_validate_refuses_with_one_sentence(strategy, changes, message):
   with pytest.raises(ConfigError, match=message) as err:
-    attention.validate(strategy, attention.Problem(**{**BASE, **changes}))
+    attention.validate(problem(strategy, **changes))
   assert str(err.value).count(". ") == 0 and str(err.value)[-1] in ".?"
 
 
 def test_validate_accepts_kv_heads_below_the_all_to_all_degree():
-  attention.validate("ulysses", attention.Problem(**BASE))                       # 2 KV heads over 8 devices
-  attention.validate("usp", attention.Problem(**{**BASE, "ulysses_degree": 4}))
-  attention.validate("usp", attention.Problem(**BASE))                           # default degree
+  attention.validate(problem("ulysses"))                         # 2 KV heads over 8 devices
+  attention.validate(problem("usp", ulysses_degree=4))
+  attention.validate(problem("usp"))                             # default degree
 
 
 @pytest.mark.parametrize("strategy", ["all_gather", "ulysses", "ring", "usp"])
 def test_validate_accepts_flash_on_tpu_and_gpu_under_every_strategy(strategy):
-  attention.validate(strategy, attention.Problem(**{**BASE, "kernel": "flash", "platform": "tpu", "head_dim": 128,
-                                                    "load_balance": True, "block_q": 256, "block_kv": 512}))
-  attention.validate(strategy, attention.Problem(**{**BASE, "kernel": "flash", "platform": "gpu", "head_dim": 64,
-                                                    "load_balance": True, "block_q": 64, "block_kv": 32}))
+  attention.validate(problem(strategy, kernel="flash", platform="tpu", head_dim=128, load_balance=True, block_q=256,
+                             block_kv=512))
+  attention.validate(problem(strategy, kernel="flash", platform="gpu", head_dim=64, load_balance=True, block_q=64,
+                             block_kv=32))
 
 
 # --- compiled HLO: context parallelism did not switch itself off ------------------------------------------------
 
 def compiled_vjp(strategy, mesh, b, t, n, k, h, dtype=jnp.float32, **kw):
-  fn = attention.build(strategy, mesh, **kw)
+  fn = attention.build(section(strategy, **kw), mesh)
   heads = NamedSharding(mesh, P(sharding.BATCH_AXES, sharding.SEQ_AXIS, sharding.HEAD_AXIS, None))
   toks = NamedSharding(mesh, P(sharding.BATCH_AXES, sharding.SEQ_AXIS))
 
@@ -186,9 +200,9 @@ def test_hlo_contains_the_strategy_collectives(strategy, kw, present, absent):
 
 def test_every_pass_of_the_ring_is_counted_in_the_compiled_step(monkeypatch):
   # The ring's pass loop has a bound XLA cannot see (Ring.pass_loop), so no compiler states its trip count; its op
-  # name carries it (scopes.trips) and maxctx.hlo reads it there. Two KV heads in a pass each (PASS_BYTES lowered)
-  # make two passes: each hop's collectives run twice as often, and no loop's count is unknown.
-  from maxctx import hlo
+  # name carries it (scopes.trips) and maxctx.compile.hlo reads it there. Two KV heads in a pass each (PASS_BYTES
+  # lowered) make two passes: each hop's collectives run twice as often, and no loop's count is unknown.
+  from maxctx.compile import hlo
   from maxctx.attention import ring
   one = hlo.collectives(compiled_vjp("ring", make_mesh(), 2, 256, 8, 2, 16).as_text(), 8)
   monkeypatch.setattr(ring, "PASS_BYTES", 1)
@@ -300,7 +314,7 @@ def test_strategies_under_scan_and_remat(strategy, kw, dtype):
 
   ref = lambda q, kk, v, s, p: kernels.reference(q, kk, v, s, s, p, p).astype(q.dtype)  # noqa: E731
   want_loss, want_grads = jax.jit(jax.value_and_grad(lambda p: model(ref, p, x)))(params)
-  fn = attention.build(strategy, mesh, block_q=8, block_kv=8, **kw)
+  fn = attention.build(section(strategy, block_q=8, block_kv=8, **kw), mesh)
   with jax.set_mesh(mesh):
     got_loss, got_grads = jax.jit(jax.value_and_grad(lambda p: model(fn, p, x)))(params)
   tol = 1e-5 if dtype == jnp.float32 else 2e-2
@@ -320,7 +334,7 @@ def test_save_attention_out_runs_no_attention_forward_in_the_backward(strategy, 
   again."""
   b, t, d, n, k, h = 1, 1024, 256, 2, 1, 128
   mesh = make_mesh(context=4)
-  fn = attention.build(strategy, mesh, kernel=kernel, ulysses_degree=2 if strategy == "usp" else None)
+  fn = attention.build(section(strategy, kernel, ulysses_degree=2 if strategy == "usp" else None), mesh)
   seg, pos = jnp.ones((b, t), jnp.int32), jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
   wq, wk = jnp.ones((d, n * h)), jnp.ones((d, k * h))
 
@@ -339,18 +353,17 @@ def test_save_attention_out_runs_no_attention_forward_in_the_backward(strategy, 
 # --- cudnn (XLA's implementation off the GPU) -------------------------------------------------------------------
 
 def test_validate_refuses_a_whole_sequence_kernel_under_the_ring():
-  problem = attention.Problem(**{**BASE, "kernel": "cudnn", "platform": "gpu"})
   with pytest.raises(ConfigError, match=r"attention.strategy ring feeds the kernel one chunk of keys at a time, "
                                         r"which attention.kernel 'cudnn' cannot do"):
-    attention.validate("ring", problem)
-  attention.validate("all_gather", problem)
+    attention.validate(problem("ring", kernel="cudnn", platform="gpu"))
+  attention.validate(problem("all_gather", kernel="cudnn", platform="gpu"))
 
 
 def _strategy_against_reference(strategy, kernel, mesh, b, t, n, k, h, seg, pos, block=None):
   rng = np.random.default_rng(4)
   q, kk, v, dout = (jnp.asarray(rng.normal(size=s), jnp.float32)
                     for s in [(b, t, n, h), (b, t, k, h), (b, t, k, h), (b, t, n, h)])
-  fn = attention.build(strategy, mesh, kernel=kernel, block_q=block, block_kv=block)
+  fn = attention.build(section(strategy, kernel, block_q=block, block_kv=block), mesh)
 
   def vjp(f):
     out, pullback = jax.vjp(lambda q, kk, v: f(q, kk, v, seg, pos), q, kk, v)
@@ -373,16 +386,18 @@ def test_cudnn_kernel_wrapper_under_all_gather():
 def test_bench_attention_script_reports_every_row(tmp_path):
   """The benchmark script runs end to end at a small shape and writes one JSON row per strategy, with per-device temp
   memory and both timings (timings are never asserted; only that they were measured), or memory alone."""
-  import importlib.util
   import json
   import pathlib
+  import subprocess
+  import sys
 
-  path = pathlib.Path(__file__).parent.parent / "scripts" / "bench_attention.py"
-  spec = importlib.util.spec_from_file_location("bench_attention", path)
-  bench = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(bench)
+  script = pathlib.Path(__file__).parent.parent / "scripts" / "bench_attention.py"
   out = tmp_path / "rows.json"
-  bench.main(["--seq-len", "512", "--strategies", "ring", "usp", "--iters", "1", "--block-q", "32", "--block-kv", "32",
+
+  def run_script(argv):   # as a user runs it: its own process, on the installed package
+    subprocess.run([sys.executable, str(script), *argv], check=True, capture_output=True, timeout=600)
+
+  run_script(["--seq-len", "512", "--strategies", "ring", "usp", "--iters", "1", "--block-q", "32", "--block-kv", "32",
               "--no-baseline", "--json", str(out)])
   rows = json.loads(out.read_text())["rows"]
   assert [r["strategy"] for r in rows] == ["ring", "usp 2x4"]
@@ -391,7 +406,7 @@ def test_bench_attention_script_reports_every_row(tmp_path):
     assert r["fwd_bwd_vs_baseline"] is None   # no baseline row to divide by
 
   # --iters 0: memory only (compiled, never run), so long shapes can be sized in seconds.
-  bench.main(["--seq-len", "512", "--strategies", "ring", "--iters", "0", "--no-baseline", "--json", str(out)])
+  run_script(["--seq-len", "512", "--strategies", "ring", "--iters", "0", "--no-baseline", "--json", str(out)])
   rows = json.loads(out.read_text())["rows"]
   assert [r["strategy"] for r in rows] == ["ring"]
   for r in rows:
@@ -400,7 +415,7 @@ def test_bench_attention_script_reports_every_row(tmp_path):
     assert r["temp_mib"] > 0
 
   # A TPU kernel on the CPU runs in the Pallas interpreter, and its row says so (its times are not the kernel's).
-  bench.main(["--seq-len", "1024", "--strategies", "ring", "--kernel", "flash", "--head-dim", "128", "--heads", "2",
+  run_script(["--seq-len", "1024", "--strategies", "ring", "--kernel", "flash", "--head-dim", "128", "--heads", "2",
               "--kv-heads", "1", "--block-q", "128", "--block-kv", "128", "--iters", "0", "--no-baseline",
               "--json", str(out)])
   rows = json.loads(out.read_text())["rows"]

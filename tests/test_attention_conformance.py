@@ -127,19 +127,19 @@ def check(strategy_key, mesh_key, heads_key, dtype=jnp.float32, masks=MASKS, zig
   context, tensor = mesh_shape[2], mesh_shape[3]
   # flash is validated as on the platform it is for (off it, validate refuses training) and runs in the interpreter.
   name, platform = KERNEL_OF[kernel]
-  problem = attention.Problem(context=context, tensor=tensor, n_heads=n_heads, n_kv_heads=kv_heads, seq_len=case.t,
-                              kernel=name, load_balance=True, ulysses_degree=degree, block_q=case.block,
-                              block_kv=case.block, platform=platform, head_dim=case.h)
+  config = attention.AttentionConfig(strategy=strategy, kernel=name, load_balance=True, ulysses_degree=degree,
+                                     block_q=case.block, block_kv=case.block)
+  problem = attention.Problem(config, context=context, tensor=tensor, n_heads=n_heads, n_kv_heads=kv_heads,
+                              seq_len=case.t, platform=platform, head_dim=case.h)
   refusal = expected_refusal(strategy, degree, mesh_shape, n_heads, kv_heads)
   if refusal:
     with pytest.raises(ConfigError, match="^" + refusal):
-      attention.validate(strategy, problem)
+      attention.validate(problem)
     return
-  attention.validate(strategy, problem)
+  attention.validate(problem)
 
   mesh = make_mesh(mesh_shape)
-  fn = attention.build(strategy, mesh, kernel=name, ulysses_degree=degree, block_q=case.block,
-                       block_kv=case.block)
+  fn = attention.build(config, mesh)
 
   @jax.jit
   def run(q, k, v, seg, pos, dout):

@@ -10,15 +10,16 @@ import jax
 import pytest
 import yaml
 
-from maxctx import compile as compile_lib
 from maxctx import config as config_lib
 from maxctx import attention
 from maxctx import scopes
 from maxctx import topology
 from maxctx import trainer as trainer_lib
 from maxctx.bench import __main__ as bench_main
-from maxctx import hlo
-from maxctx.bench import measure, plan, report, roofline
+from maxctx.bench import cases as cases_lib
+from maxctx.bench import measure, report, roofline
+from maxctx.compile import hlo
+from maxctx.compile.report import CompileReport, Memory
 from maxctx.errors import ConfigError
 
 needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
@@ -115,7 +116,7 @@ def test_rounds_alternate_the_order_and_a_run_that_fails_leaves_the_others_timin
       return {"step_time_s": 1.0, "timed_rounds": rounds, "peak_runtime_note": f"{held} held"}
 
   monkeypatch.setattr(measure, "_Run", Run)
-  cases = [plan.Case(name, 128, None) for name in ("a", "refused", "oom", "b")]
+  cases = [cases_lib.Case(name, 128, None) for name in ("a", "refused", "oom", "b")]
   out = measure.attempt_all(cases, measure.Steps(timed=2), rounds=3)
   assert calls == [("built", "a"), ("built", "oom"), ("built", "b"), ("a", 2), ("oom", 2), ("b", 2),
                    ("b", 2), ("oom", 2), ("a", 2), ("a", 2), ("b", 2)]
@@ -123,8 +124,9 @@ def test_rounds_alternate_the_order_and_a_run_that_fails_leaves_the_others_timin
   assert out[2] == {"status": "failed", "reason": "RESOURCE_EXHAUSTED: Out of memory (3 runs held at once, --rounds)"}
   assert out[0] == out[3] == {"status": "ok", "step_time_s": 1.0, "timed_rounds": 3, "peak_runtime_note": "3 held"}
   # The sweep's cases by length, an --also file's beside those of its own length, each length a group of turns.
-  sweep = [plan.Case(s, n, None) for n in (256, 128) for s in ("none", "ring")]
-  ordered = bench_main.in_length_order(sweep + [plan.Case("ring_pick", 128, None), plan.Case("usp_x", 512, None)])
+  sweep = [cases_lib.Case(s, n, None) for n in (256, 128) for s in ("none", "ring")]
+  also = [cases_lib.Case("ring_pick", 128, None), cases_lib.Case("usp_x", 512, None)]
+  ordered = bench_main.in_length_order(sweep + also)
   assert [(c.strategy, c.seq_len) for c in ordered] == [("none", 256), ("ring", 256), ("none", 128), ("ring", 128),
                                                         ("ring_pick", 128), ("usp_x", 512)]
   assert bench_main._by_length(ordered) == [[0, 1], [2, 3, 4], [5]]
@@ -132,13 +134,13 @@ def test_rounds_alternate_the_order_and_a_run_that_fails_leaves_the_others_timin
 
 def test_a_strategy_that_cannot_run_is_refused_with_validates_sentence():
   base = config_lib.load("configs/bench.yml")
-  case = plan.configure(base, "ulysses", 256, 8, context=8)
+  case = cases_lib.configure(base, "ulysses", 256, 8, context=8)
   assert case.config is None and "query heads" in case.refused
-  none = plan.configure(base, "none", 256, 8)
+  none = cases_lib.configure(base, "none", 256, 8)
   assert none.config.attention.strategy == "all_gather"
   assert (none.config.mesh.ici.context, none.config.mesh.ici.fsdp) == (1, 8)
-  assert plan.configure(base, "usp", 256, 8).config.mesh.ici.context == 4
-  assert plan.lengths("4k,1m,14m,256") == [4096, 1 << 20, 14 * (1 << 20), 256]
+  assert cases_lib.configure(base, "usp", 256, 8).config.mesh.ici.context == 4
+  assert cases_lib.lengths("4k,1m,14m,256") == [4096, 1 << 20, 14 * (1 << 20), 256]
 
 
 HLO = """HloModule jit__step, num_partitions=8
@@ -193,13 +195,13 @@ def test_hlo_bytes_multiply_trip_counts_and_skip_single_device_groups():
 
 def test_roofline_estimate_is_the_largest_part_and_labelled():
   topo = topology.resolve("tpu7x-128")
-  rep = compile_lib.CompileReport(
+  rep = CompileReport(
       config="t", topology=topo.name, libtpu_topology=topo.libtpu_name, num_slices=1, devices=128, chips=64,
       device_kind="TPU7x", mesh={"context": 128}, strategy="ring", kernel="blockwise", seq_len=1 << 20, batch_size=1,
       tokens_per_device=(1 << 20) // 128, context_degree=128, remat="full", loss_chunk=2048, mlp_chunk=0,
       block_q=None, block_kv=None, params=8_000_000_000, flops_per_step=2307e12 / 2 * 3 * 128,
       flops_per_device=2307e12 / 2 * 3, seconds_at_peak=None, hbm_per_device_bytes=topo.hbm_bytes,
-      memory=compile_lib.Memory(argument=1, output=1, alias=1, temp=2**30, code=0),
+      memory=Memory(argument=1, output=1, alias=1, temp=2**30, code=0),
       inspected={"collective_bytes": {"bytes_attention": {"collective-permute": 100e9}, "bytes_other": {}}})
   est = roofline.estimate(rep, topo)
   assert est["est_compute_s"] == pytest.approx(4.0)  # 3 s at peak, × 4/3 for the recomputed forward

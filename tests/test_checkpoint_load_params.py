@@ -1,4 +1,5 @@
-"""Training starts from an imported Hugging Face model: `convert_hf.py import` then `checkpoint.load_params=<out>`.
+"""Training starts from an imported Hugging Face model: `python -m maxctx.convert import` then
+`checkpoint.load_params=<out>`.
 
 Acceptance (issue 5, item 5): the first training loss equals the loss transformers' logits give on the same batch,
 and parameters that do not fit the model are refused with a sentence naming the parameter.
@@ -6,34 +7,26 @@ and parameters that do not fit the model are refused with a sentence naming the 
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import pathlib
+import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
 import pytest
 
-from maxctx import config, data, hf, mesh as mesh_lib, train
+from maxctx import config, convert, data, hf, mesh as mesh_lib, train
 from maxctx.attention import layout
 from maxctx.errors import CheckpointError
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-
-
-def _convert_script():
-  spec = importlib.util.spec_from_file_location("convert_hf", ROOT / "scripts" / "convert_hf.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory):
-  """A random tiny HF Llama saved with save_pretrained, and its `convert_hf.py import` output directory."""
+  """A random tiny HF Llama saved with save_pretrained, and its `python -m maxctx.convert import` output directory
+  (the command as a user runs it)."""
   root = tmp_path_factory.mktemp("hf")
   torch.manual_seed(0)
   cfg = transformers.LlamaConfig(
@@ -45,7 +38,8 @@ def imported(tmp_path_factory):
     for name, p in model.named_parameters():
       p.normal_(1.0 if "norm" in name else 0.0, 0.1)
   model.save_pretrained(root / "hf", safe_serialization=True)
-  assert _convert_script().main(["import", str(root / "hf"), str(root / "maxctx")]) == 0
+  subprocess.run([sys.executable, "-m", "maxctx.convert", "import", str(root / "hf"), str(root / "maxctx")],
+                 check=True, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, timeout=300)
   return model, root / "maxctx"
 
 
@@ -88,11 +82,10 @@ def test_training_starts_from_imported_hf_weights_and_exports_back(tmp_path, imp
   assert abs(want - np.log(c.model.vocab_size)) > 0.05
 
   # The trained step exports back to a directory transformers loads, holding the checkpoint's parameters.
-  convert = _convert_script()
   state_dir = tmp_path / "run" / "checkpoints" / "2" / "state"
-  assert convert.main(["export", str(state_dir), str(tmp_path / "run" / "config.yml"), str(tmp_path / "hf_out")]) == 0
+  convert.export_hf(state_dir, tmp_path / "run" / "config.yml", tmp_path / "hf_out")
   trained = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf_out").eval()
-  want = hf.hf_from_params(convert._restore_params(state_dir), c.model)
+  want = hf.hf_from_params(convert.read_params(state_dir, c), c.model)
   got = {k: v.detach().numpy() for k, v in trained.state_dict().items()}
   for name, w in want.items():
     np.testing.assert_array_equal(got[name], w)

@@ -8,9 +8,10 @@ import re
 
 import pytest
 
-from maxctx import compile as compile_lib
 from maxctx.compile import __main__ as compile_main
-from maxctx import hlo as hlo_lib
+from maxctx.compile import hlo as hlo_lib
+from maxctx.compile import step as compile_step
+from maxctx.compile.report import CompileReport, format_report
 from maxctx import trainer as trainer_lib
 from maxctx import topology
 from maxctx.errors import ConfigError
@@ -77,10 +78,10 @@ def test_collective_counts_reads_async_pairs_once_and_scopes():
 
 
 def test_parse_oom_messages():
-  total = compile_lib.parse_oom("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+  total = compile_step.parse_oom("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
                                 "temporaries (208.62G) exceeds available HBM (95.74G).")
   assert total["required_bytes"] == int(208.62 * 2**30) and not total["required_is_lower_bound"]
-  one = compile_lib.parse_oom("RESOURCE_EXHAUSTED: Allocation (size=128000000000) would exceed memory "
+  one = compile_step.parse_oom("RESOURCE_EXHAUSTED: Allocation (size=128000000000) would exceed memory "
                               "(size=103079215104) :: ...")
   assert one == {"required_bytes": 128000000000, "required_is_lower_bound": True, "hbm_reported_bytes": 103079215104}
 
@@ -89,9 +90,9 @@ def test_missing_topology_is_a_config_error(tmp_path):
   path = tmp_path / "run.yml"
   path.write_text(TINY.replace('compile: {topology: "v5p:2x2x1"}', ""))
   with pytest.raises(ConfigError, match="compile.topology"):
-    compile_lib.load(str(path), [])
+    compile_step.load(str(path), [])
   with pytest.raises(ConfigError, match="compile.topolgy"):
-    compile_lib.load(str(path), ["compile.topolgy=v5p-8"])
+    compile_step.load(str(path), ["compile.topolgy=v5p-8"])
 
 
 # Each strategy compiled once, two on each generation (which collectives a strategy issues does not depend on the
@@ -103,8 +104,8 @@ def test_missing_topology_is_a_config_error(tmp_path):
                                            pytest.param("ring", "tpu7x:2x2x1", marks=pytest.mark.slow),
                                            ("usp", "v5p:2x2x1")])
 def test_collectives_match_strategy(tiny_path, topo, strategy):
-  config = compile_lib.load(tiny_path, [f"compile.topology={topo}", f"attention.strategy={strategy}"])
-  report = compile_lib.compile_for(config)
+  config = compile_step.load(tiny_path, [f"compile.topology={topo}", f"attention.strategy={strategy}"])
+  report = compile_step.compile_for(config)
   assert report.fits and report.memory.total > 0
   assert report.devices == topology.resolve(topo).devices
   sent = {k for k, v in report.attention_collectives.items() if v}
@@ -113,7 +114,7 @@ def test_collectives_match_strategy(tiny_path, topo, strategy):
   # ZeRO-3: parameters are all-gathered for use and their gradients reduced, whatever the strategy.
   assert report.collectives["all-gather"] > 0
   assert report.collectives["reduce-scatter"] + report.collectives["all-reduce"] > 0
-  assert "does not fit" not in compile_lib.format_report(report)
+  assert "does not fit" not in format_report(report)
 
 
 @needs_libtpu
@@ -129,9 +130,9 @@ def test_over_hbm_is_reported_not_raised(tiny_path, capsys):
   assert not report["fits"] and report["memory"] is None and report["error"]
   assert report["over_bytes"] is None or report["over_bytes"] > 0
   # The report names the step it compiled, through JSON, as the launcher's --fit-report compares it.
-  config = compile_lib.load(tiny_path, overrides)
-  assert compile_lib.CompileReport.from_json(report).step == compile_lib.step_key(config)
-  assert compile_lib.step_key(config)["mesh"]["ici"] == {"data": 1, "fsdp": 1, "context": 4, "tensor": 1}
+  config = compile_step.load(tiny_path, overrides)
+  assert CompileReport.from_json(report).step == compile_step.step_key(config)
+  assert compile_step.step_key(config)["mesh"]["ici"] == {"data": 1, "fsdp": 1, "context": 4, "tensor": 1}
 
 
 @needs_libtpu
@@ -140,13 +141,13 @@ def test_offloaded_layer_inputs_leave_hbm(tiny_path):
   layers, tokens = 16, 4096
 
   def report(remat):
-    config = compile_lib.load(tiny_path, [f"model.remat={remat}", f"data.seq_len={tokens}",
+    config = compile_step.load(tiny_path, [f"model.remat={remat}", f"data.seq_len={tokens}",
                                                    f"model.n_layers={layers}"])
-    return compile_lib.compile_for(config)
+    return compile_step.compile_for(config)
 
   offloaded = report("full_offload")
   full, offload = report("full").memory, offloaded.memory
-  config = compile_lib.load(tiny_path, ["model.remat=full_offload", f"data.seq_len={tokens}",
+  config = compile_step.load(tiny_path, ["model.remat=full_offload", f"data.seq_len={tokens}",
                                            f"model.n_layers={layers}"])
   # The tiny model computes in float32: [batch 2, tokens / 4 chips, d_model] per layer. maxctx.train checks the same
   # figure against the host's RAM before compiling.
@@ -164,21 +165,21 @@ def test_offloaded_layer_inputs_leave_hbm(tiny_path):
   assert not small.host_fits
   # model.remat_group 2 (nested remat) keeps one input per pair of layers: half the host memory, and the layers inside
   # a group do not send theirs too (libtpu compiles what JAX asks, so this checks the whole path to the compiled step).
-  grouped = compile_lib.compile_for(compile_lib.load(tiny_path, [
+  grouped = compile_step.compile_for(compile_step.load(tiny_path, [
       "model.remat=full_offload", "model.remat_group=2", f"data.seq_len={tokens}", f"model.n_layers={layers}"]))
   assert saved_inputs // 2 <= grouped.memory.host_temp <= 1.1 * saved_inputs // 2
   assert re.search(r"host memory \(offloaded\): .* per device, .* per host VM \(4 devices\) of its .* RAM \(83%; "
-                   r"maxctx.train allows 80%\)", compile_lib.format_report(small))
+                   r"maxctx.train allows 80%\)", format_report(small))
 
 
 @needs_libtpu
 def test_flash_kernel_compiles_for_tpu_under_ulysses(tiny_path):
   # Whole-sequence use of the flash kernel (its own custom_vjp around the same Mosaic kernels) in the full train
   # step under ulysses with zigzag load balancing, which a kernel that read causality from token order could not do.
-  config = compile_lib.load(tiny_path, [
+  config = compile_step.load(tiny_path, [
       "attention.strategy=ulysses", "attention.kernel=flash", "attention.load_balance=true", "model.head_dim=128",
       "mesh.ici.context=2", "data.seq_len=1024"])
-  report = compile_lib.compile_for(config, inspect=lambda compiled: {"hlo": compiled.as_text()})
+  report = compile_step.compile_for(config, inspect=lambda compiled: {"hlo": compiled.as_text()})
   assert report.fits and report.attention_collectives["all-to-all"] > 0
   calls = {line.split("=")[0].strip().split(".")[0].lstrip("%") for line in report.inspected["hlo"].splitlines()
            if 'custom_call_target="tpu_custom_call"' in line}
@@ -233,10 +234,10 @@ def test_flash_kernel_runs_inside_the_ring(tiny_path, topo, strategy):
   # The whole train step with the flash kernel, lowered by Mosaic for the TPU (not interpreted): forward and both
   # backward kernels sit inside the ring's hop loop, and no array is as large as the local queries times their keys.
   # 640 tokens per device (usp: 1,280 per all-to-all group) keep those lengths apart from every other dimension.
-  config = compile_lib.load(tiny_path, [f"compile.topology={topo}", f"attention.strategy={strategy}",
+  config = compile_step.load(tiny_path, [f"compile.topology={topo}", f"attention.strategy={strategy}",
                                                  "attention.kernel=flash", "model.head_dim=128",
                                                  "data.seq_len=2560"])
-  report = compile_lib.compile_for(config, inspect=lambda compiled: {"hlo": compiled.as_text()})
+  report = compile_step.compile_for(config, inspect=lambda compiled: {"hlo": compiled.as_text()})
   assert report.fits and report.attention_collectives["collective-permute"] > 0
   assert _ring_kernels(report.inspected["hlo"]) == {"maxctx_flash_fwd", "maxctx_flash_dq", "maxctx_flash_dkv"}
   lengths = (640, 1280) if strategy == "usp" else (640,)

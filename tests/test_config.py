@@ -118,3 +118,27 @@ def test_every_shipped_config_loads():
   for path in sorted(root.glob("*.yml")) + sorted(root.glob("recipes/*.yml")) + sorted(root.glob("recipes/gpu/*.yml")):
     if path.name != "base.yml":
       config.load(path)
+
+
+def test_yaml_aliases_and_repeated_keys_are_refused_naming_the_lines(tmp_path):
+  # An alias bomb under run.name was expanded into a 351 MB error; a second `lr` silently won over the first.
+  cases = {"run:\n  name: &a [x, x]\n  output_dir: *a\n": r"line 3 uses the YAML alias \*a",
+           "base: &b {steps: 3}\nrun:\n  <<: *b\n": r"line 3 uses the YAML alias \*b",
+           "optim:\n  lr: 3e-3\n  b1: 0.9\n  lr: 1.0\n": r"gives optim.lr twice \(lines 2 and 4\)",
+           "run:\n  steps: 3\nrun:\n  seed: 1\n": r"gives run twice \(lines 1 and 3\)"}
+  for text, message in cases.items():
+    path = tmp_path / "run.yml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+      config.load(path)
+
+
+def test_errors_show_only_an_excerpt_of_a_value(tmp_path):
+  path = tmp_path / "run.yml"
+  path.write_text("run:\n  name: [" + ", ".join(["x" * 50] * 5000) + "]\n  steps: " + "9" * 5000 + "z\n")
+  with pytest.raises(ConfigError, match="run.name expects str") as e:
+    config.load(path)
+  assert len(str(e.value)) < 250, str(e.value)
+  with pytest.raises(ConfigError, match="run.steps expects int") as e:
+    config.load(None, ["run.steps=" + "9" * 5000 + "z"])
+  assert len(str(e.value)) < 250, str(e.value)

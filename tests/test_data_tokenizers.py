@@ -1,6 +1,7 @@
 """Tokenizers: SentencePiece training and loading, the Llama 3 tiktoken layout, and the errors a user can cause."""
 
 import base64
+import os
 import subprocess
 import sys
 
@@ -88,10 +89,29 @@ def test_train_tokenizer_script(tmp_path):
   for i, f in enumerate(sources.stdlib_files()[:40]):
     (corpus / f"{i}.txt").write_text(sources.read_text(f))
   out = tmp_path / "t.model"
-  run = subprocess.run([sys.executable, "scripts/train_tokenizer.py", "--vocab-size", "300", "--output", str(out),
+  run = subprocess.run([sys.executable, "-m", "maxctx.train_tokenizer", "--vocab-size", "300", "--output", str(out),
                         str(corpus / "*.txt")], capture_output=True, text=True)
   assert run.returncode == 0, run.stderr
   assert "300 tokens" in run.stdout and "training on 40 files" in run.stderr
-  bad = subprocess.run([sys.executable, "scripts/train_tokenizer.py", "--vocab-size", "300", "--output", str(out),
+  bad = subprocess.run([sys.executable, "-m", "maxctx.train_tokenizer", "--vocab-size", "300", "--output", str(out),
                         str(tmp_path / "none*.txt")], capture_output=True, text=True)
-  assert bad.returncode != 0 and "matches no files" in bad.stderr and "Traceback" not in bad.stderr
+  assert bad.returncode == 2 and "Traceback" not in bad.stderr
+  assert bad.stderr.strip().startswith("error: ") and "matches no files" in bad.stderr and bad.stderr.count("\n") == 1
+
+
+def test_tokenizer_files_that_cannot_be_one_are_named_in_one_sentence(tmp_path, sp_model):
+  # Each is refused before a document is encoded (an empty file passed SentencePiece's load and crashed in encode).
+  (tmp_path / "empty.model").write_bytes(b"")
+  (tmp_path / "hf").mkdir()
+  (tmp_path / "hf" / "tokenizer.model").write_bytes(sp_model.read_bytes())
+  (tmp_path / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "BPE"}}')
+  os.mkfifo(tmp_path / "pipe")
+  cases = {"empty.model": "is an empty file", "pipe": "is not a regular file",
+           "hf": r"is a directory, not a tokenizer file; did you mean .*hf/tokenizer",
+           "tokenizer.json": r"is neither .* \(a Hugging Face tokenizer.json is not read"}
+  for name, message in cases.items():
+    with pytest.raises(DataError, match=rf"data.tokenizer {tmp_path}/{name} {message}") as e:
+      tokenizers.load(str(tmp_path / name))
+    assert "\n" not in str(e.value)
+  with pytest.raises(DataError, match=r"/proc/sys/vm/drop_caches cannot be read \(Permission denied\)"):
+    tokenizers.load("/proc/sys/vm/drop_caches")   # write-only, even for root

@@ -63,3 +63,21 @@ def test_user_errors_exit_2_with_one_sentence(tmp_path, capsys, args, message):
   assert cli.main(["configs/demo-passkey.yml", f"run.output_dir={tmp_path}", *args]) == 2
   err = capsys.readouterr().err
   assert err.startswith("error: ") and message in err and "Traceback" not in err
+
+
+def test_ruler_counting_and_multiquery_tasks_write_tables_and_heatmaps(tmp_path):
+  pytest.importorskip("matplotlib")
+  # Random parameters (no checkpoint.load_params): what is checked is what the command writes, not the scores.
+  assert cli.main(["configs/demo-passkey.yml", f"run.output_dir={tmp_path}", "--tasks", "cwe,fwe,niah_multiquery",
+                   "--lengths", "1k", "--depths", "0,1", "--samples", "1"]) == 0
+  out = tmp_path / "eval"
+  records = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
+  # The needle task has a row per depth; the two without a needle have one row, at depth 0.
+  assert sorted((r["task"], r["depth"]) for r in records) == [
+      ("cwe", 0.0), ("fwe", 0.0), ("niah_multiquery", 0.0), ("niah_multiquery", 1.0)]
+  assert all(r["length"] == 1024 and 0.0 <= r["recall"] <= 1.0 for r in records)
+  md = (out / "eval.md").read_text()
+  for task in ("cwe", "fwe", "niah_multiquery"):
+    assert f"## {task}" in md and (out / f"{task}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  cwe = md[md.index("## cwe"):md.index("## fwe")]
+  assert "no needle, so one row" in cwe and "\n| - | " in cwe and "\n| 0 | " not in cwe

@@ -9,7 +9,7 @@ from maxctx import config, mesh as mesh_lib
 from maxctx.data import tokenizers
 from maxctx.eval import params as params_lib
 from maxctx.data import tasks
-from maxctx.eval import scoring
+from maxctx.eval import report, scoring, sweep
 from maxctx import trainer as trainer_lib
 from maxctx.trainer import build_model
 
@@ -39,6 +39,24 @@ def test_token_scores_oracle_and_uniform():
   assert correct.tolist() == [True, False, True, True, True, True]
 
 
+def test_recall_is_the_share_of_parts_found_as_ruler_scores(pieces):
+  e = tasks.generate("cwe", pieces, 1024, 0.0, 0)
+  A = len(e.answer)
+  strict = np.ones(A, bool)
+  assert scoring.recall(strict, e.spans) == 1.0
+  strict[e.spans[3][0]] = False  # one token of the fourth word wrong: that word is missed, the other nine are found
+  assert scoring.recall(strict, e.spans) == pytest.approx(0.9)
+  assert not scoring.example_scores(np.zeros((1, A)), strict[None], np.ones((1, A), bool))[0][0]
+  # A separator RULER's string match does not look at: recall is whole, exact correctness is not.
+  between = sorted(set(range(A)) - {i for s, t in e.spans for i in range(s, t)})
+  assert between
+  strict = np.ones(A, bool)
+  strict[between[0]] = False
+  assert scoring.recall(strict, e.spans) == 1.0
+  # One part, no spans: recall is whether every token is right.
+  assert scoring.recall(np.array([True, False]), ()) == 0.0 and scoring.recall(np.array([True, True]), ()) == 1.0
+
+
 def _next_token_oracle(params, tokens_BT, segment_ids_BT, positions_BT, index_BA):
   """Logits that put all mass on the true next token, found through positions, so any layout must be undone right."""
   del params
@@ -53,14 +71,15 @@ def test_scorer_with_oracle_scores_everything_and_uniform_nothing(pieces, load_b
   c = config.load("configs/demo.yml", ["mesh.ici.fsdp=2", "mesh.ici.context=4", "attention.strategy=ring",
                                        f"attention.load_balance={load_balance}"])
   mesh = mesh_lib.build_mesh(c.mesh)
-  examples = tasks.sweep(["passkey", "niah_multivalue"], [512], [0.0, 1.0], 2, pieces)
+  examples = tasks.sweep(["passkey", "niah_multivalue", "niah_multiquery"], [512], [0.0, 1.0], 2, pieces)
+  examples += tasks.sweep(["cwe", "fwe"], [1024], [0.0, 1.0], 1, pieces)
   with jax.set_mesh(mesh):
     oracle = scoring.Scorer(c, mesh, rows=4, forward=_next_token_oracle).score(None, examples)
-    assert all(r["correct"] for r in oracle) and len(oracle) == len(examples)
+    assert all(r["correct"] and r["recall"] == 1.0 for r in oracle) and len(oracle) == len(examples)
     for r, e in zip(oracle, examples):
       assert r["argmax"] == e.answer.tolist()
     uniform = scoring.Scorer(c, mesh, forward=lambda *a: jnp.zeros((2, a[4].shape[1], 512))).score(None, examples)
-    assert not any(r["correct"] for r in uniform)
+    assert not any(r["correct"] or r["recall"] for r in uniform)
 
 
 def _scores(overrides, params_dir, examples):
@@ -87,3 +106,12 @@ def test_ring_over_8_devices_scores_like_all_gather_reference(pieces, tmp_path):
     for a, b in zip(ref, ring):
       assert a["correct"] == b["correct"] and a["argmax"] == b["argmax"]
       assert a["logprob"] == pytest.approx(b["logprob"], abs=1e-4)
+
+
+def test_tables_and_scalars_report_recall_not_all_or_nothing():
+  # Two multi-part answers, one with 3 of 4 parts found: RULER scores the cell (3/4 + 1) / 2, not 1/2.
+  records = [{"task": "niah_multivalue", "length": 512, "depth": 0.0, "index": i, "correct": c, "recall": r,
+              "logprob": -1.0} for i, (c, r) in enumerate([(False, 0.75), (True, 1.0)])]
+  assert sweep.accuracy(records) == {("niah_multivalue", 512): 0.875}
+  assert sweep.scalars(records) == {"eval/niah_multivalue/512": 0.875}
+  assert "| 0 | 88 |" in report.markdown(records, "t")

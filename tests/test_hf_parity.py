@@ -7,9 +7,7 @@ The weights are drawn with std 0.2 (norm scales around 1) so logits are O(1) and
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
-import pathlib
 
 import flax.linen as nn
 import jax
@@ -18,7 +16,7 @@ import numpy as np
 import pytest
 
 from maxctx import config as config_lib
-from maxctx import hf
+from maxctx import convert, hf
 from maxctx.errors import CheckpointError, ConfigError
 from maxctx import model
 from maxctx.model import Transformer, rope
@@ -29,7 +27,6 @@ transformers = pytest.importorskip("transformers")
 TOL = 1e-4
 SEQ = 192  # longer than the llama3 original context below, so the scaled frequencies matter.
 ORIGINAL_CONTEXT = 64
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def hf_config(n_kv_heads: int, scaling: bool):
@@ -181,45 +178,33 @@ def test_missing_and_misshaped_tensors_name_the_tensor():
     hf.hf_from_params(params, cfg)
 
 
-def load_script():
-  spec = importlib.util.spec_from_file_location("convert_hf", ROOT / "scripts" / "convert_hf.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
-def test_convert_script_round_trip(tmp_path, monkeypatch):
-  """save_pretrained → import → maxctx logits = HF; export → from_pretrained → logits unchanged."""
-  convert = load_script()
+def test_convert_round_trip(tmp_path, monkeypatch):
+  """save_pretrained → maxctx.convert import → maxctx logits = HF; export → from_pretrained → logits unchanged; the
+  sharded export imports again to the same params, bit for bit."""
   monkeypatch.setattr(convert, "SHARD_BYTES", 64 * 1024)  # export writes shards and an index, as for a real model.
   model = random_hf_model(1, True, seed=3)
   model.save_pretrained(tmp_path / "hf", safe_serialization=True)
   t = tokens(1, 128)
   want = hf_logits(model, t)
 
-  assert convert.main(["import", str(tmp_path / "hf"), str(tmp_path / "maxctx")]) == 0
-  cfg = config_lib.load(tmp_path / "maxctx" / "model.yml", ["model.dtype=float32"]).model
-  params = convert._restore_params(tmp_path / "maxctx" / "params")
+  convert.import_hf(tmp_path / "hf", tmp_path / "maxctx")
+  run = config_lib.load(tmp_path / "maxctx" / "model.yml", ["model.dtype=float32"])
+  cfg = run.model
+  params = convert.read_params(tmp_path / "maxctx" / "params", run)
   err_import = np.abs(maxctx_logits(params, cfg, t) - want).max()
   assert err_import <= TOL, f"imported: max abs logit error {err_import:.2e}"
 
-  assert convert.main(["export", str(tmp_path / "maxctx" / "params"), str(tmp_path / "maxctx" / "model.yml"),
-                       str(tmp_path / "hf_out")]) == 0
+  convert.export_hf(tmp_path / "maxctx" / "params", tmp_path / "maxctx" / "model.yml", tmp_path / "hf_out")
   assert json.loads((tmp_path / "hf_out" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
   exported = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf_out", attn_implementation="eager",
                                                            dtype=torch.float32).eval()
   err_export = np.abs(hf_logits(exported, t) - want).max()
   assert err_export <= TOL, f"exported: max abs logit error {err_export:.2e}"
+  assert all(np.array_equal(w, state_dict_np(model)[k]) for k, w in state_dict_np(exported).items())
 
-  # The sharded export imports again to the same params, bit for bit.
   assert len(list((tmp_path / "hf_out").glob("*.safetensors"))) > 1
-  assert convert.main(["import", str(tmp_path / "hf_out"), str(tmp_path / "again"), "--unscanned"]) == 0
-  again = convert._restore_params(tmp_path / "again" / "params")
+  convert.import_hf(tmp_path / "hf_out", tmp_path / "again", scan_layers=False)
+  unscanned = config_lib.load(tmp_path / "again" / "model.yml", ["model.dtype=float32"])
+  again = convert.read_params(tmp_path / "again" / "params", unscanned)
   assert "layers_1" in again
   assert jax.tree.all(jax.tree.map(np.array_equal, hf.hf_from_params(again, cfg), hf.hf_from_params(params, cfg)))
-
-
-def test_convert_script_reports_user_errors(tmp_path, capsys):
-  convert = load_script()
-  assert convert.main(["import", str(tmp_path / "nowhere"), str(tmp_path / "out")]) == 2
-  assert "has no config.json" in capsys.readouterr().err

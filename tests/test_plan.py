@@ -8,16 +8,17 @@ import pytest
 
 from maxctx import attention
 from maxctx import config as config_lib
-from maxctx import plan as plan_lib
-from maxctx import plan_candidates
-from maxctx import plan_tables
+from maxctx.plan import __main__ as plan_main
+from maxctx.plan import candidates as plan_candidates
+from maxctx.plan import estimated, measured, ranking, tables
+from maxctx.plan import recipe as recipe_lib
 from maxctx import trainer as trainer_lib
 from maxctx.errors import ConfigError
 
 
 def test_candidates_cover_every_split_and_refuse_with_validates_sentence():
   base = config_lib.load("configs/bench.yml")   # fsdp=2 × context=4 over 8 devices; the tiny model has 4 query heads
-  cands = plan_lib.candidates(base, ["none", "ulysses", "usp"], 256, ["none", "full"], 8)
+  cands = plan_candidates.candidates(base, ["none", "ulysses", "usp"], 256, ["none", "full"], 8)
   labels = {c.label: c for c in cands}
   assert set(labels) == {f"{s} remat={r}" for r in ("none", "full") for s in (
       "none c=1", "ulysses c=2", "ulysses c=4", "ulysses c=8", "usp c=4 u=2", "usp c=8 u=2", "usp c=8 u=4")}
@@ -32,7 +33,7 @@ def test_candidates_cover_every_split_and_refuse_with_validates_sentence():
 
 def test_measured_plan_picks_the_fastest_and_its_recipe_trains_as_is(tmp_path):
   # data=4 stays as the run file says; context and fsdp share the other 2 devices: none (fsdp=2) or ring (context=2).
-  rc = plan_lib.main(["configs/bench.yml", "mesh.ici.data=4", "mesh.ici.fsdp=1", "mesh.ici.context=2", "--strategies",
+  rc = plan_main.main(["configs/bench.yml", "mesh.ici.data=4", "mesh.ici.fsdp=1", "mesh.ici.context=2", "--strategies",
                       "none,ring", "--lengths", "128", "--steps", "1", "--out", str(tmp_path)])
   assert rc == 0
   records = [json.loads(line) for line in (tmp_path / "plan.jsonl").read_text().splitlines()]
@@ -75,14 +76,14 @@ def test_a_candidate_that_stops_is_recorded_and_the_plan_goes_on(monkeypatch):
 
   monkeypatch.setattr(measure, "run", run)
   base = config_lib.load("configs/bench.yml")
-  cands = [c for c in plan_lib.candidates(base, ["none", "ring"], 128, ["none", "full"], 8)
+  cands = [c for c in plan_candidates.candidates(base, ["none", "ring"], 128, ["none", "full"], 8)
            if c.case.config is not None][:3]
-  records = plan_lib.measure_all(cands, 1)
+  records = measured.measure_all(cands, 1)
   assert [(r.status, r.reason) for r in records] == [
       ("failed", "document 3 of shard 0 is empty."), ("refused", "block_q 100 does not divide 128."),
       ("failed", "RESOURCE_EXHAUSTED: Out of memory allocating 9 GiB.")]
   # Ranked after anything measured: the failed ones, then the refused.
-  assert [c for c, _ in plan_lib.rank(cands, records)] == [cands[0], cands[2], cands[1]]
+  assert [c for c, _ in ranking.rank(cands, records)] == [cands[0], cands[2], cands[1]]
 
 
 def test_close_candidates_are_timed_again_in_the_opposite_order_and_ranked_over_both_rounds(monkeypatch):
@@ -106,10 +107,10 @@ def test_close_candidates_are_timed_again_in_the_opposite_order_and_ranked_over_
             "tokens_per_s": 1000 / times[1]}
 
   monkeypatch.setattr(measure, "run", run)
-  cands = [c for c in plan_lib.candidates(config_lib.load("configs/bench.yml"), ["none", "ring", "ulysses"], 128,
+  cands = [c for c in plan_candidates.candidates(config_lib.load("configs/bench.yml"), ["none", "ring", "ulysses"], 128,
                                           ["none", "full"], 8) if c.case.config is not None][:5]
   ids = {id(c.case): i for i, c in enumerate(cands)}
-  records = plan_lib.measure_all(cands, 3)
+  records = measured.measure_all(cands, 3)
   # 0..3 are within 15% of the fastest; the 3 fastest run again, slowest of them first; 4 (half as fast) does not.
   assert calls == [0, 1, 2, 3, 4, 2, 1, 0]
   assert [r.timed_rounds for r in records] == [2, 2, 2, 1, 1]
@@ -118,19 +119,19 @@ def test_close_candidates_are_timed_again_in_the_opposite_order_and_ranked_over_
   # The first round's leader fell behind over both rounds: the plan is the one fastest over all its steps. One timed
   # once (3) ranks after those timed twice, each of which beat it in the round they shared, even where a slower
   # second round pulled one of them (0) below its single number.
-  assert [c for c, _ in plan_lib.rank(cands, records)][:4] == [cands[1], cands[2], cands[0], cands[3]]
+  assert [c for c, _ in ranking.rank(cands, records)][:4] == [cands[1], cands[2], cands[0], cands[3]]
 
   monkeypatch.setattr(jax, "process_count", lambda: 2)
   monkeypatch.setattr(multihost_utils, "broadcast_one_to_all", lambda mine: np.array([3, 0, -1], np.int32))
   calls.clear()
-  records = plan_lib.measure_all(cands, 3)
+  records = measured.measure_all(cands, 3)
   assert calls == [0, 1, 2, 3, 4, 3, 0]
   assert [r.timed_rounds for r in records] == [2, 1, 1, 2, 1]
   # A second round that fails (out of memory) leaves the first round's record as it was.
   monkeypatch.setattr(multihost_utils, "broadcast_one_to_all", lambda mine: np.array([3, 1, -1], np.int32))
   calls.clear()
   broken.add((1, 2))
-  records = plan_lib.measure_all(cands, 3)
+  records = measured.measure_all(cands, 3)
   assert calls == [0, 1, 2, 3, 4, 3, 1]
   assert records[1].timed_rounds == 1 and records[1].step_times_s == [1.05] * 3 and records[1].status == "ok"
 
@@ -156,7 +157,7 @@ def test_train_resolves_strategy_auto_logs_its_choice_and_keeps_it_on_resume(tmp
   def measure_again(*_):
     raise AssertionError("a resumed run measured the candidates again")
 
-  monkeypatch.setattr(plan_lib, "measure_all", measure_again)
+  monkeypatch.setattr(measured, "measure_all", measure_again)
   caplog.clear()
   with caplog.at_level(logging.INFO, logger="maxctx"):
     resumed = train.fit(config_lib.load("configs/demo.yml", overrides + ["run.steps=4"]))
@@ -177,7 +178,7 @@ def test_topology_plan_compiles_the_best_estimated_and_writes_a_recipe_for_the_s
   # --compile 1 only the candidate the cost model ranks first is compiled, and it fits: the plan.
   args = ["configs/bench.yml", "data.batch_size=4", "mesh.ici.data=2", "--topology", "v5p-8", "--strategies",
           "none,ring", "--lengths", "512", "--compile", "1", "--out", str(tmp_path)]
-  assert plan_lib.main(args) == 0
+  assert plan_main.main(args) == 0
   records = [json.loads(line) for line in (tmp_path / "plan.jsonl").read_text().splitlines()]
   best, other = records
   assert best["status"] == "estimate" and best["fits"] and best["source"].startswith("compiled")
@@ -193,7 +194,7 @@ def test_topology_plan_compiles_the_best_estimated_and_writes_a_recipe_for_the_s
   plan_md = (tmp_path / "plan.md").read_text()
   assert "Chosen: **" + best["candidate"] in plan_md and "The cost model estimated 2 candidates; 1 of them" in plan_md
   # Again from the report cached beside the plan: nothing compiles.
-  assert plan_lib.main(args + ["--no-compile"]) == 0
+  assert plan_main.main(args + ["--no-compile"]) == 0
   assert json.loads((tmp_path / "plan.jsonl").read_text().splitlines()[0])["source"].startswith("cache")
 
 
@@ -203,25 +204,25 @@ def test_topology_plan_compiles_in_the_cost_models_order_and_learns_from_each_co
   # and exactly the model's otherwise. The planner compiles in the model's order; the first save_dots
   # compile teaches it that its siblings will not fit either, so it skips them and compiles the next policy; after
   # --compile 2, one of which fits, it compiles nothing more.
-  from maxctx import plan_model
+  from maxctx.plan import cost_model
   from maxctx import topology as topology_lib
   from maxctx.bench import aot
   config = config_lib.load("configs/recipes/llama3.1-8b-1m-ring-v5p-128.yml")
-  cands = plan_lib.candidates(config, ["ring", "usp"], 1 << 20, ["full", "save_dots"], 64, platform="tpu")
+  cands = plan_candidates.candidates(config, ["ring", "usp"], 1 << 20, ["full", "save_dots"], 64, platform="tpu")
   topo = topology_lib.resolve("v5p-128")
   compiled = []
 
   def record(case, mesh, out, reports, compile_missing):
     if not compile_missing:
       return {"status": "missing", "reason": "not compiled"}
-    need = plan_model.estimate(case.config, mesh, topo).total
+    need = cost_model.estimate(case.config, mesh, topo).total
     need *= 6 if case.config.model.remat == "save_dots" else 1
     compiled.append((case.config.attention.strategy, case.config.attention.ulysses_degree, case.config.model.remat))
     return {"status": "estimate", "source": "compiled in 1 s", "fits": need <= topo.hbm_bytes, "est_step_s": 1.0,
             "est_mfu": 0.5, "memory_compiled": {"total": need}, "over_bytes": max(0, need - topo.hbm_bytes)}
 
   monkeypatch.setattr(aot, "record", record)
-  records = plan_lib.estimate_all(cands, 64, 1, tmp_path, [], True, 2)
+  records = estimated.estimate_all(cands, 64, 1, tmp_path, [], True, 2)
   # save_dots is modelled faster (only attention runs again, not the projections and MLP) and under HBM, so it
   # goes first.
   assert compiled == [("ring", None, "save_dots"), ("ring", None, "full")]
@@ -230,15 +231,15 @@ def test_topology_plan_compiles_in_the_cost_models_order_and_learns_from_each_co
   assert skipped.startswith("not compiled: expected to need") and "× 6.00, as compiled under remat=save" in skipped
   assert by_label["usp c=64 u=2 remat=full"].reason == "not compiled: ranked below the 2 compiled (--compile 2)"
   assert all(r.model_memory_total and r.model_step_s for r in records)
-  ranked = plan_lib.rank(cands, records)
-  assert ranked[0][0].label == "ring c=64 remat=full" and "Chosen: **ring c=64 remat=full**" in plan_tables.verdict(
+  ranked = ranking.rank(cands, records)
+  assert ranked[0][0].label == "ring c=64 remat=full" and "Chosen: **ring c=64 remat=full**" in tables.verdict(
       ranked)
 
 
 def test_when_nothing_fits_the_plan_names_the_closest_candidate_and_by_how_much():
   from maxctx.bench import report
   base = config_lib.load("configs/bench.yml")
-  cands = [c for c in plan_lib.candidates(base, ["ring"], 512, ["none"], 8)][:2]
+  cands = [c for c in plan_candidates.candidates(base, ["ring"], 512, ["none"], 8)][:2]
   hbm = 95 * 2**30
 
   def over(gib):
@@ -249,36 +250,36 @@ def test_when_nothing_fits_the_plan_names_the_closest_candidate_and_by_how_much(
   # None compiled, every one expected over HBM: the closest by the cost model, and that it was not compiled.
   expected = [report.Record(strategy="ring", seq_len=512, length="512", status="missing", reason="not compiled",
                             model_memory_total=gib * 2**30, hbm_per_device_bytes=hbm) for gib in (140.0, 120.5)]
-  assert plan_tables.verdict(plan_lib.rank(cands, expected)).startswith(
+  assert tables.verdict(ranking.rank(cands, expected)).startswith(
       f"Nothing fits: none was worth compiling, and the closest, {cands[1].label}, is expected by the cost model "
       "to need 25.5 GiB per device more than the 95.0 GiB of HBM")
-  rows = plan_lib.rank(cands, [over(31.5), over(2.25)])
+  rows = ranking.rank(cands, [over(31.5), over(2.25)])
   assert [r.over_bytes for _, r in rows] == [int(2.25 * 2**30), int(31.5 * 2**30)]
-  assert plan_tables.verdict(rows).startswith(f"Nothing fits: the closest, {cands[1].label}, needs 2.2 GiB per device "
+  assert tables.verdict(rows).startswith(f"Nothing fits: the closest, {cands[1].label}, needs 2.2 GiB per device "
                                             "more than the 95.0 GiB of HBM")
-  assert plan_tables.verdict(rows).endswith("(--remat full,full_offload).")   # maxctx.plan's flag
+  assert tables.verdict(rows).endswith("(--remat full,full_offload).")   # maxctx.plan's flag
   # maxctx.compile with `auto` names the run file's key instead.
-  assert plan_tables.verdict(rows, "model.remat: full").endswith("(model.remat: full).")
-  assert plan_tables.verdict(rows, None).endswith("HBM; try more devices or a shorter length.")   # all were tried
+  assert tables.verdict(rows, "model.remat: full").endswith("(model.remat: full).")
+  assert tables.verdict(rows, None).endswith("HBM; try more devices or a shorter length.")   # all were tried
 
 
 def test_mlp_chunk_is_a_candidate_where_it_splits_the_tokens_and_ties_go_to_the_chunked(tmp_path, monkeypatch):
   # Issue 18 names model.mlp_chunk as a dimension of the plan. Llama 3.1 8B at 14M tokens on tpu7x-128 under
   # save_attention_out, without compiling (aot.record gives the model's memory as the compiler's).
-  from maxctx import plan_model
+  from maxctx.plan import cost_model
   from maxctx import topology as topology_lib
-  from maxctx.bench import aot
+  from maxctx.bench import aot, roofline
   config = config_lib.load("configs/recipes/llama3.1-8b-14m-ring-tpu7x-128.yml", ["model.mlp_chunk=0"])
   chunks = plan_candidates.mlp_chunk_flag(None, config)
-  assert chunks == [0, plan_lib.MLP_CHUNK]   # the run's, and the plan's own
+  assert chunks == [0, plan_candidates.MLP_CHUNK]   # the run's, and the plan's own
   assert plan_candidates.mlp_chunk_flag(None, config.replace(**{"model.mlp_chunk": 16384})) == [16384]   # once
-  cands = [c for c in plan_lib.candidates(config, ["ring"], 14 * 2**20, ["save_attention_out"], 128, platform="tpu",
-                                          chunks=chunks) if c.context == 128]
+  cands = [c for c in plan_candidates.candidates(config, ["ring"], 14 * 2**20, ["save_attention_out"], 128,
+                                                 platform="tpu", chunks=chunks) if c.context == 128]
   assert [c.label for c in cands] == ["ring c=128 remat=save_attention_out",
                                       "ring c=128 remat=save_attention_out mlp_chunk=16384"]
   assert cands[1].overrides["model.mlp_chunk"] == 16384 and cands[1].case.config.model.mlp_chunk == 16384
   # At 1M, 8,192 tokens per device: a 16,384-token chunk would not split them, so it is not tried.
-  short = plan_lib.candidates(config, ["ring"], 2**20, ["full"], 128, platform="tpu", chunks=chunks)
+  short = plan_candidates.candidates(config, ["ring"], 2**20, ["full"], 128, platform="tpu", chunks=chunks)
   assert [c.mlp_chunk for c in short if c.context == 128] == [0]
   assert plan_candidates.mlp_chunks_for([16384, 0], 8192) == [0]
   assert plan_candidates.mlp_chunks_for([0, 4096], 8192) == [0, 4096]
@@ -286,12 +287,12 @@ def test_mlp_chunk_is_a_candidate_where_it_splits_the_tokens_and_ties_go_to_the_
   # is compiled first, and with --compile 1 it is the plan.
   topo = topology_lib.resolve("tpu7x-128")
   sizes = {"context": 128}
-  whole, chunked = (plan_model.estimate(c.case.config, sizes, topo) for c in cands)
+  whole, chunked = (cost_model.estimate(c.case.config, sizes, topo) for c in cands)
   assert whole.step_s == chunked.step_s and chunked.total < whole.total - 4 * 2**30
   # Where the policy would keep the SwiGLU's gate and up, chunking runs them again: the model counts it.
   kept = [config.replace(**{"model.remat": "none", "model.mlp_chunk": k}) for k in (0, 16384)]
   extra = 4.0 * 4096 * 14336 * 32 * 14 * 2**20
-  more = plan_model.recomputed_flops(kept[1], sizes) - plan_model.recomputed_flops(kept[0], sizes)
+  more = roofline.recomputed_flops(kept[1], sizes) - roofline.recomputed_flops(kept[0], sizes)
   assert more == pytest.approx(extra)
   compiled = []
 
@@ -299,15 +300,15 @@ def test_mlp_chunk_is_a_candidate_where_it_splits_the_tokens_and_ties_go_to_the_
     if not compile_missing:
       return {"status": "missing", "reason": "not compiled"}
     compiled.append(case.config.model.mlp_chunk)
-    need = plan_model.estimate(case.config, mesh, topo).total
+    need = cost_model.estimate(case.config, mesh, topo).total
     return {"status": "estimate", "source": "compiled in 1 s", "fits": need <= topo.hbm_bytes, "est_step_s": 1.0,
             "est_mfu": 0.5, "memory_compiled": {"total": need}, "over_bytes": max(0, need - topo.hbm_bytes)}
 
   monkeypatch.setattr(aot, "record", record)
-  records = plan_lib.estimate_all(cands, 128, 1, tmp_path, [], True, 1)
+  records = estimated.estimate_all(cands, 128, 1, tmp_path, [], True, 1)
   assert compiled == [16384]
-  assert plan_lib.rank(cands, records)[0][0] is cands[1]
-  (tmp_path / "recipe.yml").write_text(plan_lib.recipe("configs/recipes/llama3.1-8b-14m-ring-tpu7x-128.yml",
+  assert ranking.rank(cands, records)[0][0] is cands[1]
+  (tmp_path / "recipe.yml").write_text(recipe_lib.recipe("configs/recipes/llama3.1-8b-14m-ring-tpu7x-128.yml",
                                                        cands[1], ["model.mlp_chunk=0"]))
   assert config_lib.load(tmp_path / "recipe.yml").model.mlp_chunk == 16384
   with pytest.raises(ConfigError, match="--mlp-chunk"):
@@ -317,7 +318,7 @@ def test_mlp_chunk_is_a_candidate_where_it_splits_the_tokens_and_ties_go_to_the_
 def test_loss_chunk_is_a_candidate_dimension_when_asked():
   # Issue 18 names model.loss_chunk as a dimension of the plan: `--loss-chunk` varies it (and the labels say so);
   # without the flag every candidate keeps the run's. Llama 3.1 8B at 14M tokens on tpu7x-128, without compiling.
-  from maxctx import plan_model
+  from maxctx.plan import cost_model
   from maxctx import topology as topology_lib
   config = config_lib.load("configs/recipes/llama3.1-8b-14m-ring-tpu7x-128.yml")
   assert plan_candidates.loss_chunk_flag(None) is None
@@ -328,7 +329,7 @@ def test_loss_chunk_is_a_candidate_dimension_when_asked():
   length = 14 * 2**20
 
   def ring128(**kw):
-    return [c for c in plan_lib.candidates(config, ["ring"], length, ["full"], 128, platform="tpu", **kw)
+    return [c for c in plan_candidates.candidates(config, ["ring"], length, ["full"], 128, platform="tpu", **kw)
             if c.context == 128]
 
   plain = ring128()
@@ -342,7 +343,7 @@ def test_loss_chunk_is_a_candidate_dimension_when_asked():
   assert [c.loss_chunk for c in ring128(loss_chunks=[2**20, 114_688])] == [114_688]
   # The model: the float32 logits of 2,048 tokens at a time instead of all of a device's, for the same step time.
   topo = topology_lib.resolve("tpu7x-128")
-  whole, chunked = (plan_model.estimate(c.case.config, {"context": 128}, topo) for c in varied)
+  whole, chunked = (cost_model.estimate(c.case.config, {"context": 128}, topo) for c in varied)
   assert chunked.step_s == whole.step_s and whole.total - chunked.total > 2 * (114_688 - 2048) * 128_256 * 4 * 0.99
 
 
@@ -351,13 +352,13 @@ def test_compile_resolves_strategy_auto_for_its_slice_and_reports_the_plans_own_
   # maxctx.compile with attention.strategy=auto plans for compile.topology as maxctx.plan --topology does (the cost
   # model's order, compiles cached beside the run) and prints the chosen candidate's report from that compile,
   # without compiling it again. v5p-8 with data=2 leaves 2 devices: none, all_gather, ulysses and ring at c=2.
-  from maxctx import compile as compile_lib
-  from maxctx import plan_auto
+  from maxctx.compile import step as compile_step
+  from maxctx.plan import auto as plan_auto
   from maxctx.compile import __main__ as compile_main
   monkeypatch.setattr(plan_auto, "AUTO_COMPILES", 1)
   compiled = []
-  real = compile_lib.compile_for
-  monkeypatch.setattr(compile_lib, "compile_for", lambda config, **kw: compiled.append(config) or real(config, **kw))
+  real = compile_step.compile_for
+  monkeypatch.setattr(compile_step, "compile_for", lambda config, **kw: compiled.append(config) or real(config, **kw))
   args = ["configs/bench.yml", "data.batch_size=4", "mesh.ici.data=2", "compile.topology=v5p-8",
           "attention.strategy=auto", f"run.output_dir={tmp_path}"]
   assert compile_main.main(args) == 0
@@ -377,27 +378,27 @@ def test_remat_auto_measures_every_policy_on_the_runs_strategy_and_mesh_and_keep
   # what was auto is taken from config.yml.
   import logging
   import jax
-  from maxctx import plan_auto
+  from maxctx.plan import auto as plan_auto
   from maxctx.bench import report
   speed = {"none": 2.0, "save_attention_out": 2.5, "save_dots": 1.5, "full": 1.0, "full_offload": 0.5}
-  measured = []
+  tried = []
 
   def measure_all(cands, steps):
     valid = [c for c in cands if c.case.config is not None]
-    measured.extend(c.remat for c in valid)
+    tried.extend(c.remat for c in valid)
     return [report.Record(strategy=c.strategy, seq_len=c.case.seq_len, length="", status="ok",
                           tokens_per_s=speed[c.remat]) for c in valid]
 
-  monkeypatch.setattr(plan_lib, "measure_all", measure_all)
+  monkeypatch.setattr(measured, "measure_all", measure_all)
   config = config_lib.load("configs/demo.yml", ["model.remat=auto"])
   with caplog.at_level(logging.INFO, logger="maxctx"):
     resolved = plan_auto.resolve(config, jax.devices(), tmp_path / "config.yml")
-  assert set(measured) >= {"none", "save_attention_out", "save_dots", "full"}
+  assert set(tried) >= {"none", "save_attention_out", "save_dots", "full"}
   assert resolved.model.remat == "save_attention_out"
   assert resolved.replace(**{"model.remat": "auto"}) == config   # nothing else planned
   assert "model.remat auto chose ring" in caplog.text and "runner-up" in caplog.text
   config_lib.save(resolved, tmp_path)
-  monkeypatch.setattr(plan_lib, "measure_all", lambda *a: pytest.fail("a resumed run measured again"))
+  monkeypatch.setattr(measured, "measure_all", lambda *a: pytest.fail("a resumed run measured again"))
   kept = plan_auto.resolve(config, jax.devices(), tmp_path / "config.yml")
   assert kept.model.remat == "save_attention_out"
   # A run that plans its strategy but names its policy takes only the strategy's keys from a saved plan: the policy

@@ -94,12 +94,12 @@ def test_offload_slices_keep_each_copy_under_4_gib():
 
 
 def test_offload_no_slice_of_whole_tiles_can_keep_under_4_gib_is_refused():
-  # A width of 1,031 (prime) has no slices of whole 128-lane tiles: 2 rows × 1,048,576 float32 tokens per device ×
-  # 1,031 is 8 GiB in one copy (in 1,031 one-column slices it would be 8 MiB each, which the tile rule refuses). A
-  # width of 1,024 goes in 4 slices of 256.
+  # A width of 1,032 (8 × 129: its parameters split over the 8 devices, but no 128-lane tile divides it) has no
+  # slices of whole tiles: 2 rows × 1,048,576 float32 tokens per device × 1,032 is 8 GiB in one copy (in 1,032
+  # one-column slices it would be 8 MiB each, which the tile rule refuses). A width of 1,024 goes in 4 slices of 256.
   seq_len = f"data.seq_len={2**20 * 8}"
-  c = _config("model.remat=full_offload", "model.d_model=1031", seq_len)
-  with pytest.raises(ConfigError, match=r"full_offload would copy saved layer inputs of 8,248 MiB per device to host "
+  c = _config("model.remat=full_offload", "model.d_model=1032", seq_len)
+  with pytest.raises(ConfigError, match=r"full_offload would copy saved layer inputs of 8,256 MiB per device to host "
                                         r"memory, and no slicing of the model width into multiples of 128 brings a "
                                         r"copy under 4,096 MiB, which libtpu needs; put more devices on"):
     trainer.validate(c, 8, platform="tpu")
@@ -133,22 +133,22 @@ V5P_14M = "configs/recipes/llama3.1-8b-14m-ring-v5p-128.yml"
 def test_the_planner_does_not_compile_what_would_overfill_a_host_vm_and_says_what_would_fit(tmp_path):
   # 8B at 33,554,432 tokens on v5p-128 with every layer's input offloaded: 512 GiB per 4-chip VM of 448 GB. The
   # model's host bytes are exactly the compiler's, so nothing is compiled to learn it.
-  from maxctx import plan, plan_candidates, plan_tables
+  from maxctx.plan import candidates as plan_candidates, estimated, ranking, tables
   base = config.load(V5P_14M)
   cands = plan_candidates.candidates(base, ["ring"], 2**25, ["full_offload"], 64, platform="tpu", chunks=[16384],
                                      groups=[1])
-  records = plan.estimate_all(cands, 64, 1, tmp_path, [], True, 1)
+  records = estimated.estimate_all(cands, 64, 1, tmp_path, [], True, 1)
   assert [r.reason for r in records] == ["not compiled: expected to keep 512.0 GiB of saved layer inputs in each host "
                                          "VM's memory, over 80% of its 448 GB"]
   assert not list(tmp_path.rglob("*.json"))   # no compile was cached
-  assert plan_tables.verdict(plan.rank(cands, records)) == (
+  assert tables.verdict(ranking.rank(cands, records)) == (
       "Nothing fits: ring c=64 remat=full_offload mlp_chunk=16384 would fit HBM (69.9 GiB per device), but was "
       "expected to keep 512.0 GiB of saved layer inputs in each host VM's memory, over 80% of its 448 GB; try one "
       "saved input per pair of layers (--remat-group 2), more devices or a shorter length.")
 
 
 def test_topology_plans_try_pairs_of_layers_under_the_policies_that_save_only_inputs():
-  from maxctx import plan_candidates
+  from maxctx.plan import candidates as plan_candidates
   from maxctx.errors import ConfigError
   base = config.load(V5P_14M)
   assert plan_candidates.remat_group_flag(None, base, topology=False) == [1]
@@ -169,19 +169,23 @@ def test_topology_plans_try_pairs_of_layers_under_the_policies_that_save_only_in
 def _report_tree(c) -> dict:
   """A maxctx.compile --json report of `c` on v5p-128 (the fields a report is matched and estimated by)."""
   import dataclasses
-  from maxctx import compile as compile_lib, topology
+  from maxctx import topology
+  from maxctx.compile import step as compile_step
+  from maxctx.compile.report import CompileReport
   from maxctx.bench import aot
-  tree = {f.name: 0 for f in dataclasses.fields(compile_lib.CompileReport)
+  tree = {f.name: 0 for f in dataclasses.fields(CompileReport)
           if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
   mesh = {"data": 1, "fsdp": 1, "context": 64, "tensor": 1}
-  tree.update(aot._expected(c, topology.resolve("v5p-128"), 1, mesh), step=compile_lib.step_key(c), fits=True,
+  tree.update(aot._expected(c, topology.resolve("v5p-128"), 1, mesh), step=compile_step.step_key(c), fits=True,
               flops_per_step=64e18, flops_per_device=1e18, devices=64)
   return tree
 
 
 def test_reports_are_reused_only_for_their_own_layer_group_and_old_ones_read_as_ungrouped(tmp_path):
   import json
-  from maxctx import compile as compile_lib, topology
+  from maxctx import topology
+  from maxctx.compile import step as compile_step
+  from maxctx.compile.report import CompileReport
   from maxctx.bench import aot, roofline
   plain = config.load(V5P_14M)
   paired = plain.replace(**{"model.remat_group": 2})
@@ -194,8 +198,8 @@ def test_reports_are_reused_only_for_their_own_layer_group_and_old_ones_read_as_
   (tmp_path / "old.json").write_text(json.dumps(old))
   report, path = aot.find_report(tmp_path, plain, topo, 1, mesh)
   assert path.name == "old.json" and report.step["model"]["remat_group"] == 1
-  assert compile_lib.step_key(plain) == report.step   # so the launcher's fit check takes it for this recipe
+  assert compile_step.step_key(plain) == report.step   # so the launcher's fit check takes it for this recipe
   # The roofline counts the forward three times in groups: 5/3 of the step's FLOPs, against 4/3.
-  grouped = compile_lib.CompileReport.from_json(_report_tree(paired))
+  grouped = CompileReport.from_json(_report_tree(paired))
   ratio = roofline.estimate(grouped, topo)["est_compute_s"] / roofline.estimate(report, topo)["est_compute_s"]
   assert ratio == pytest.approx(5 / 4)

@@ -84,3 +84,58 @@ def test_unusable_directories_are_refused_before_anything_is_created(tmp_path):
   (tmp_path / "run" / "checkpoints").write_text("x")
   with pytest.raises(ConfigError, match="holds a file checkpoints"):
     run_dir.check_writable(str(tmp_path / "run"))
+
+
+def test_abandon_removes_what_the_run_wrote_and_its_lock(tmp_path):
+  # SIGTERM during the first compile calls abandon from a watcher thread, then ends the process (test_faults.py).
+  kept = tmp_path / "kept"
+  kept.mkdir()
+  (kept / "config.yml").write_text("the previous run's\n")
+  before = _files(kept)
+  for out in (kept, tmp_path / "new" / "run"):
+    held = run_dir.RunDir(str(out)).__enter__()
+    (out / "config.yml").write_text("this run's\n")
+    (out / "tensorboard").mkdir()
+    (out / "tensorboard" / "events.1").write_text("new\n")
+    held.abandon()
+    held.__exit__(None, None, None)  # Nothing left to do.
+  assert _files(kept) == before and not (tmp_path / "new").exists()
+
+
+def test_the_lock_holds_the_resolved_directory(tmp_path):
+  # Two names of one directory are one run directory: the second is refused while the first holds it.
+  (tmp_path / "run").mkdir()
+  (tmp_path / "alias").symlink_to(tmp_path / "run")
+  with run_dir.RunDir(str(tmp_path / "alias")):
+    assert (tmp_path / "run" / run_dir.LOCK).exists()
+    with pytest.raises(ConfigError, match="is in use by another run"):
+      with run_dir.RunDir(str(tmp_path / "run" / ".")):
+        pass
+
+
+def test_files_of_a_run_that_escape_its_directory_are_refused(tmp_path, monkeypatch):
+  other = tmp_path / "other" / "checkpoints"
+  other.mkdir(parents=True)
+  run = tmp_path / "run"
+  run.mkdir()
+  (run / "config.yml").symlink_to(tmp_path / "other" / "config.yml")  # dangling: it would be created there
+  with pytest.raises(ConfigError, match=r"holds config.yml as a link to .*other/config.yml"):
+    run_dir.check_writable(str(run))
+  (run / "config.yml").unlink()
+  # A bind mount of another directory onto run/checkpoints (read from the mount table; mounting needs privileges).
+  (run / "checkpoints").mkdir()
+  table = tmp_path / "mountinfo"
+  mount_point = str(run / "checkpoints").replace(" ", "\\040")   # the table escapes spaces
+  table.write_text(f"22 27 0:21 / /proc rw - proc proc rw\n45 27 254:0 {other} {mount_point} rw - ext4 /dev/vda rw\n")
+  monkeypatch.setattr(run_dir, "MOUNTINFO", str(table))
+  with pytest.raises(ConfigError, match=rf"holds checkpoints as a bind mount of {other}"):
+    run_dir.check_writable(str(run))
+  table.write_text(f"45 27 254:0 / {run / 'checkpoints'} rw - ext4 /dev/vdb rw\n")  # a whole disk: the run's own
+  run_dir.check_writable(str(run))
+
+
+def test_maxctx_own_directories_are_refused():
+  package = run_dir._PACKAGE
+  for name in (str(package / "runs"), str(package.parent / "configs"), str(package.parent / "configs" / "a" / "b")):
+    with pytest.raises(ConfigError, match=r"is inside (the maxctx package|the repository's configs directory)"):
+      run_dir.check_writable(name)

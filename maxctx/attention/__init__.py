@@ -1,6 +1,6 @@
 """Context-parallel attention behind one entry point.
 
-    fn = maxctx.attention.build("ring", mesh, kernel="blockwise", load_balance=True)
+    fn = maxctx.attention.build(config.attention, mesh)   # the run's AttentionConfig
     out = fn(q, k, v, segment_ids, positions)
 
 Inputs are global arrays: q [B, T, N, H], k and v [B, T, K, H], segment_ids and positions [B, T]; T is sharded over
@@ -24,18 +24,18 @@ from maxctx.attention import ulysses as _ulysses  # noqa: F401
 from maxctx.attention import usp as _usp  # noqa: F401
 from maxctx.attention import kernels
 from maxctx.attention.registry import AUTO, STRATEGIES, AttentionFn, Problem, Strategy, get
+from maxctx.config import AttentionConfig
 
 
-def validate(strategy: str, problem: Problem) -> None:
-  """Raises ConfigError if `strategy` cannot run `problem`."""
-  get(strategy).validate(problem)
+def validate(problem: Problem) -> None:
+  """Raises ConfigError if the strategy `problem.attention` names cannot run `problem`."""
+  get(problem.attention.strategy).validate(problem)
 
 
-def build(strategy: str, mesh: Mesh, *, kernel: str = "blockwise", load_balance: bool = False,
-          ulysses_degree: int | None = None, block_q: int | None = None, block_kv: int | None = None) -> AttentionFn:
-  """The attention function of `strategy` over `mesh`."""
-  return get(strategy).build(mesh, kernel=kernel, load_balance=load_balance, ulysses_degree=ulysses_degree,
-                             block_q=block_q, block_kv=block_kv)
+def build(config: AttentionConfig, mesh: Mesh) -> AttentionFn:
+  """The attention function of `config.strategy` over `mesh`."""
+  return get(config.strategy).build(mesh, config)
 
 
-__all__ = ["AUTO", "build", "validate", "get", "kernels", "Problem", "Strategy", "STRATEGIES", "AttentionFn"]
+__all__ = ["AUTO", "AttentionConfig", "build", "validate", "get", "kernels", "Problem", "Strategy", "STRATEGIES",
+           "AttentionFn"]

@@ -17,8 +17,8 @@ from maxctx.attention.registry import Strategy, Traffic, ids_bytes, register
 class AllGather(Strategy):
   name = "all_gather"
 
-  def build(self, mesh, *, kernel, load_balance, ulysses_degree, block_q, block_kv):
-    local = kernels.get(kernel, block_q, block_kv)
+  def build(self, mesh, a):
+    local = kernels.get(a.kernel, a.block_q, a.block_kv)
 
     def attend(q, k, v, segment_ids, positions):
       with jax.named_scope("all_gather_kv"):

@@ -106,7 +106,7 @@ def check(p) -> str | None:
   tokens per device at least (the ring cuts sub-chunks in the TPU's 128-token blocks, which the GPU's divide); the
   TPU's tiles need blocks and head dims in multiples of 128, Triton's tiles powers of two."""
   gpu = (p.platform or jax.default_backend()) == "gpu"
-  for key, block in (("block_q", p.block_q), ("block_kv", p.block_kv)):
+  for key, block in (("block_q", p.attention.block_q), ("block_kv", p.attention.block_kv)):
     if block is None:
       continue
     if gpu and (block < flash_gpu.MIN_BLOCK or block & (block - 1)):

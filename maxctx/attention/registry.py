@@ -12,6 +12,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from maxctx import sharding
 from maxctx.attention import kernels, layout
+from maxctx.config import AttentionConfig
 from maxctx.errors import ConfigError
 
 # fn(q [B,T,N,H], k [B,T,K,H], v [B,T,K,H], segment_ids [B,T], positions [B,T]) -> out [B,T,N,H], global arrays.
@@ -20,25 +21,22 @@ AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array], 
 
 @dataclasses.dataclass(frozen=True)
 class Problem:
-  """What a strategy needs to know to accept or refuse a configuration, before anything compiles."""
+  """What a strategy needs to know to accept or refuse a configuration, before anything compiles: the attention
+  section as the user wrote it, and the shapes and degrees it will run at."""
+  attention: AttentionConfig
   context: int          # CP degree: mesh context axis size (ICI × DCN)
   tensor: int           # tensor axis size (heads are sharded over it)
   n_heads: int
   n_kv_heads: int
   seq_len: int
-  kernel: str
-  load_balance: bool = False
-  ulysses_degree: int | None = None
-  block_q: int | None = None
-  block_kv: int | None = None
   platform: str | None = None   # backend that will run it ("cpu", "gpu", "tpu"); None: the default backend
   head_dim: int | None = None   # None: not known (kernels that constrain it check it only when given)
 
 
 @dataclasses.dataclass(frozen=True)
 class Traffic:
-  """Bytes one device sends for attention, by collective kind, counted as maxctx.hlo counts a compiled step's (an
-  all-gather over G devices sends (G-1)x its operand, a reduce-scatter or all-to-all (G-1)/G of it, a ring hop its
+  """Bytes one device sends for attention, by collective kind, counted as maxctx.compile.hlo counts a compiled step's
+  (an all-gather over G devices sends (G-1)x its operand, a reduce-scatter or all-to-all (G-1)/G of it, a ring hop its
   block): `forward` and `backward` of one layer, and `once` per step (the segment ids and positions every layer
   shares, which the compiler moves out of the layer loop)."""
   forward: dict[str, float]
@@ -66,17 +64,18 @@ class Strategy:
 
   def validate(self, p: Problem) -> None:
     """Raises ConfigError (one sentence) if this strategy cannot run `p`. Subclasses extend the shared checks."""
-    if p.kernel not in kernels.KERNELS:
-      close = difflib.get_close_matches(p.kernel, list(kernels.KERNELS), n=1)
+    a = p.attention
+    if a.kernel not in kernels.KERNELS:
+      close = difflib.get_close_matches(a.kernel, list(kernels.KERNELS), n=1)
       hint = f"did you mean {close[0]!r}?" if close else f"choose one of {', '.join(sorted(kernels.KERNELS))}."
-      raise ConfigError(f"attention.kernel {p.kernel!r} is not a known kernel; {hint}")
-    platforms = kernels.KERNELS[p.kernel].platforms
+      raise ConfigError(f"attention.kernel {a.kernel!r} is not a known kernel; {hint}")
+    platforms = kernels.KERNELS[a.kernel].platforms
     platform = p.platform or jax.default_backend()
     if platforms is not None and platform not in platforms:
-      raise ConfigError(f"attention.kernel {p.kernel!r} runs only on {' or '.join(platforms)}, not on {platform}; "
+      raise ConfigError(f"attention.kernel {a.kernel!r} runs only on {' or '.join(platforms)}, not on {platform}; "
                         "use attention.kernel=blockwise there.")
-    layout.check_length(p.seq_len, p.context, p.load_balance)   # before the kernel's checks, which divide by it
-    if kernels.KERNELS[p.kernel].check is not None and (reason := kernels.KERNELS[p.kernel].check(p)):
+    layout.check_length(p.seq_len, p.context, a.load_balance)   # before the kernel's checks, which divide by it
+    if kernels.KERNELS[a.kernel].check is not None and (reason := kernels.KERNELS[a.kernel].check(p)):
       raise ConfigError(reason)
     if p.n_heads % p.n_kv_heads:
       raise ConfigError(f"model.n_heads {p.n_heads} is not a multiple of model.n_kv_heads {p.n_kv_heads}; "
@@ -86,14 +85,13 @@ class Strategy:
         raise ConfigError(f"{key} {heads} is not divisible by the tensor degree {p.tensor} (mesh.ici.tensor × "
                           "mesh.dcn.tensor), over which attention shards its heads; choose a tensor degree that "
                           "divides both head counts.")
-    if p.ulysses_degree is not None and not self.uses_ulysses_degree:
-      raise ConfigError(f"attention.ulysses_degree={p.ulysses_degree} is read only by usp, not by {self.name}; "
+    if a.ulysses_degree is not None and not self.uses_ulysses_degree:
+      raise ConfigError(f"attention.ulysses_degree={a.ulysses_degree} is read only by usp, not by {self.name}; "
                         "remove it or set attention.strategy=usp.")
 
-  def build(self, mesh: Mesh, *, kernel: str, load_balance: bool, ulysses_degree: int | None,
-            block_q: int | None, block_kv: int | None) -> AttentionFn:
+  def build(self, mesh: Mesh, a: AttentionConfig) -> AttentionFn:
+    """The attention function over `mesh` for the section `a` (which `validate` accepted)."""
     raise NotImplementedError
-
 
   def held_kv_bytes(self, p: Problem, rows: int, head_dim: int, dtype_bytes: int) -> int:
     """Bytes of K/V and their gradients one device must hold at once in a layer's backward, from the shapes alone,
@@ -103,7 +101,7 @@ class Strategy:
 
   def buffer_bytes(self, p: Problem, rows: int, head_dim: int, dtype_bytes: int) -> float:
     """Bytes of attention buffers one device holds at a layer's backward peak beyond its own q, k, v, output and
-    their gradients, for `rows` sequences per device: the planner's estimate (maxctx.plan_model, checked there
+    their gradients, for `rows` sequences per device: the planner's estimate (maxctx.plan.cost_model, checked there
     against compiled steps), not a bound. 0 where the strategy works on its own share only."""
     return 0.0
 
@@ -122,10 +120,10 @@ class Strategy:
 
   @staticmethod
   def require_chunked(p: Problem, name: str) -> None:
-    if kernels.KERNELS[p.kernel].parts is None:
+    if kernels.KERNELS[p.attention.kernel].parts is None:
       chunked = sorted(k for k, spec in kernels.KERNELS.items() if spec.parts is not None)
       raise ConfigError(f"attention.strategy {name} feeds the kernel one chunk of keys at a time, which "
-                        f"attention.kernel {p.kernel!r} cannot do; use one of {', '.join(chunked)}.")
+                        f"attention.kernel {p.attention.kernel!r} cannot do; use one of {', '.join(chunked)}.")
 
 
 STRATEGIES: dict[str, Strategy] = {}

@@ -187,7 +187,7 @@ class _Ring:
     the ring's collectives then sat beside the layer's other collectives with nothing ordering them; devices ran them
     in different orders and the step deadlocked (seen with one pass of all heads in tests/test_resume.py). So that
     the compiled step's collective bytes still count every pass, the loop's op name carries n (scopes.trips, read by
-    maxctx.hlo)."""
+    maxctx.compile.hlo)."""
     with jax.named_scope(scopes.trips(n)):
       return jax.lax.fori_loop(0, n + jnp.minimum(jax.lax.axis_index(self.axis), 0), body, carry)
 
@@ -293,7 +293,8 @@ class Ring(Strategy):
     fwd, bwd = ring_traffic(p.context, kv * dtype_bytes, ids_bytes(rows, t), kv * 4)
     return Traffic(forward={"collective-permute": fwd}, backward={"collective-permute": bwd})
 
-  def build(self, mesh, *, kernel, load_balance, ulysses_degree, block_q, block_kv):
+  def build(self, mesh, a):
     hops = mesh.shape[sharding.SEQ_AXIS]
     perm = [(i, (i + 1) % hops) for i in range(hops)]
-    return self.shard(mesh, ring_attention(kernels.parts(kernel, block_q, block_kv), sharding.SEQ_AXIS, perm, hops))
+    return self.shard(mesh, ring_attention(kernels.parts(a.kernel, a.block_q, a.block_kv), sharding.SEQ_AXIS, perm,
+                                           hops))

@@ -117,8 +117,8 @@ class Ulysses(Strategy):
     return Traffic(forward={"all-to-all": a2a}, backward={"all-to-all": a2a},
                    once={"all-gather": ids_bytes(rows, t) * (g - 1)})
 
-  def build(self, mesh, *, kernel, load_balance, ulysses_degree, block_q, block_kv):
-    local = kernels.get(kernel, block_q, block_kv)
+  def build(self, mesh, a):
+    local = kernels.get(a.kernel, a.block_q, a.block_kv)
     degree = mesh.shape[sharding.SEQ_AXIS]
     inner = lambda q, k, v, seg, pos: local(q, k, v, seg, seg, pos, pos)  # noqa: E731
     return self.shard(mesh, heads_first(AllToAll(sharding.SEQ_AXIS, None, degree), inner))

@@ -34,8 +34,8 @@ class USP(Strategy):
   def validate(self, p):
     super().validate(p)
     self.require_chunked(p, self.name)
-    degree = p.ulysses_degree or default_degree(p.context, p.n_kv_heads // p.tensor)
-    if degree < 1 or p.context % degree:
+    degree = p.attention.ulysses_degree or default_degree(p.context, p.n_kv_heads // p.tensor)
+    if p.context % degree:   # attention.ulysses_degree >= 1 is the schema's rule
       raise ConfigError(f"attention.ulysses_degree {degree} does not divide the context degree {p.context}; "
                         f"choose a divisor of {p.context}.")
     check_heads(p, degree, self.name, "choose a smaller attention.ulysses_degree.")
@@ -54,7 +54,7 @@ class USP(Strategy):
     # carries the group's u·t tokens of the device's share of heads (the same bytes as its own t tokens of all of
     # them). The ids are gathered once per step within the group.
     t, kv_local = p.seq_len // p.context, p.n_kv_heads // p.tensor
-    u = p.ulysses_degree or default_degree(p.context, kv_local)
+    u = p.attention.ulysses_degree or default_degree(p.context, kv_local)
     head = rows * t * head_dim                  # elements of one head over the device's tokens
     n, kv = p.n_heads // p.tensor * head, kv_local * kv_replication(kv_local, u) * head
     share = (u - 1) / u
@@ -65,12 +65,12 @@ class USP(Strategy):
                                  * 4) * share, "collective-permute": bwd},
         once={"all-gather": ids_bytes(rows, t) * (u - 1)})
 
-  def build(self, mesh, *, kernel, load_balance, ulysses_degree, block_q, block_kv):
+  def build(self, mesh, a):
     context = mesh.shape[sharding.SEQ_AXIS]
-    parts = kernels.parts(kernel, block_q, block_kv)
+    parts = kernels.parts(a.kernel, a.block_q, a.block_kv)
 
     def per_device(q, k, v, segment_ids, positions):
-      degree = ulysses_degree or default_degree(context, k.shape[2])
+      degree = a.ulysses_degree or default_degree(context, k.shape[2])
       hops = context // degree
       groups = [list(range(g * degree, (g + 1) * degree)) for g in range(hops)]
       # Member u of group g sends to member u of group g + 1.

@@ -1,4 +1,5 @@
-"""Strategy benchmark: tokens/s, peak memory and communication share per CP strategy and sequence length.
+"""How do the context-parallel strategies compare, length by length? Tokens/s, peak memory and communication share
+per strategy and sequence length, as tables and plots (to choose what to run, use maxctx.plan).
 
     python -m maxctx.bench configs/bench.yml [section.key=value ...] [--strategies none,all_gather,ulysses,ring,usp]
         [--lengths 256,512,1k,2k] [--steps 3] [--rounds 1] [--context 4] [--also RUN_FILE]... [--out DIR]
@@ -7,8 +8,10 @@
 
 Without --topology it trains each strategy × length for a few steps on the devices present (the same model, data and
 global batch every time) and measures; with --topology nothing runs: each configuration is compiled for that TPU slice
-and estimated (maxctx.bench.aot, maxctx.bench.roofline). Writes results.jsonl, results.md, tokens_per_s.png,
-memory.png, comm_share.png and tensorboard/ (scalars under bench/) to --out (default <run.output_dir>/bench[-TOPOLOGY]).
+and estimated (maxctx.bench.aot, maxctx.bench.roofline). Each strategy runs on the config's mesh and memory policy:
+the sweep compares strategies, where `python -m maxctx.plan` also searches splits and policies and writes the one to
+run. Writes results.jsonl, results.md, tokens_per_s.png, memory.png, comm_share.png and tensorboard/ (scalars under
+bench/) to --out (default <run.output_dir>/bench[-TOPOLOGY]).
 --also adds a run file (with the command's overrides) as it stands, its strategy, mesh and memory policy at its own
 data.seq_len, beside the sweep's cases of that length, e.g. a recipe from maxctx.plan; with --rounds it is timed in
 the same turns as they are. It should train the sweep's model on its data (the float32 loss check compares them).
@@ -26,7 +29,7 @@ import sys
 from maxctx import config as config_lib
 from maxctx import console
 from maxctx import metrics as metrics_lib
-from maxctx.bench import plan as plan_lib
+from maxctx.bench import cases as cases_lib
 from maxctx.bench import plots, report
 from maxctx.errors import ArgumentParser, ConfigError, exit_code
 
@@ -41,8 +44,8 @@ def _parser() -> argparse.ArgumentParser:
                      formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("config", help="the run's YAML file: model, mesh, data, batch (e.g. configs/bench.yml)")
   p.add_argument("overrides", nargs="*", help="section.key=value applied to every run, e.g. data.batch_size=16")
-  p.add_argument("--strategies", default=plan_lib.DEFAULT_STRATEGIES,
-                 help=f"comma-separated; `none` = no context parallelism (default {plan_lib.DEFAULT_STRATEGIES})")
+  p.add_argument("--strategies", default=cases_lib.DEFAULT_STRATEGIES,
+                 help=f"comma-separated; `none` = no context parallelism (default {cases_lib.DEFAULT_STRATEGIES})")
   p.add_argument("--lengths", help=f"comma-separated tokens per sequence, k = 2^10, m = 2^20 (default "
                                    f"{DEFAULT_LENGTHS}; with --topology {DEFAULT_TOPOLOGY_LENGTHS})")
   p.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step (default 3)")
@@ -69,8 +72,8 @@ def _setup_logging() -> None:
   logging.getLogger("maxctx.data").setLevel(logging.WARNING)
 
 
-def _base_record(case: plan_lib.Case) -> report.Record:
-  rec = report.Record(strategy=case.strategy, seq_len=case.seq_len, length=plan_lib.tokens(case.seq_len))
+def _base_record(case: cases_lib.Case) -> report.Record:
+  rec = report.Record(strategy=case.strategy, seq_len=case.seq_len, length=cases_lib.tokens(case.seq_len))
   if case.refused:
     rec.set(status="refused", reason=case.refused)
   return rec
@@ -83,7 +86,7 @@ def _model_line(config: config_lib.Config) -> str:
           f"load_balance {str(config.attention.load_balance).lower()}")
 
 
-def _by_length(cases: list[plan_lib.Case]) -> list[list[int]]:
+def _by_length(cases: list[cases_lib.Case]) -> list[list[int]]:
   """The indices of each length's cases, for cases already `in_length_order`."""
   return [[i for i, _ in group] for _, group in itertools.groupby(enumerate(cases), key=lambda p: p[1].seq_len)]
 
@@ -95,7 +98,7 @@ def _timed(args: argparse.Namespace) -> str:
           "other turn in the opposite order)")
 
 
-def also_cases(args: argparse.Namespace, n: int, slices: int, steps: int, platform: str | None) -> list[plan_lib.Case]:
+def also_cases(args: argparse.Namespace, n: int, slices: int, steps: int, platform: str | None) -> list[cases_lib.Case]:
   """The --also run files as cases: each as it stands, at its own length, named `<strategy>_<file stem>` (`none` runs
   as all_gather on a context of one, so its recipe shows as all_gather)."""
   cases = []
@@ -110,12 +113,12 @@ def also_cases(args: argparse.Namespace, n: int, slices: int, steps: int, platfo
     name = f"{strategy}_{pathlib.Path(path).stem}"
     if name in (c.strategy for c in cases):
       raise ConfigError(f"--also {path} would be named {name} like an earlier --also file; rename one of them.")
-    case = plan_lib.configure(config, strategy, config.data.seq_len, n, slices, None, steps, platform)
+    case = cases_lib.configure(config, strategy, config.data.seq_len, n, slices, None, steps, platform)
     cases.append(dataclasses.replace(case, strategy=name))
   return cases
 
 
-def in_length_order(cases: list[plan_lib.Case]) -> list[plan_lib.Case]:
+def in_length_order(cases: list[cases_lib.Case]) -> list[cases_lib.Case]:
   """The cases by sequence length, in the order the lengths first appear, each length's in their own order: an --also
   file runs beside the sweep's cases of its length."""
   first: dict[int, int] = {}
@@ -187,8 +190,8 @@ def run(args: argparse.Namespace) -> int:
   config = config_lib.load(args.config, args.overrides)
   if args.topology:  # every case is compiled for it (maxctx.compile reads the config's compile section)
     config = config.replace(**{"compile.topology": args.topology, "compile.num_slices": args.num_slices})
-  strategies = plan_lib.parse_strategies(args.strategies)
-  lengths = plan_lib.lengths(args.lengths or (DEFAULT_TOPOLOGY_LENGTHS if args.topology else DEFAULT_LENGTHS))
+  strategies = cases_lib.parse_strategies(args.strategies)
+  lengths = cases_lib.lengths(args.lengths or (DEFAULT_TOPOLOGY_LENGTHS if args.topology else DEFAULT_LENGTHS))
   if args.steps < 1 or args.trace_steps < 1 or args.rounds < 1:
     raise ConfigError(f"--steps {args.steps}, --trace-steps {args.trace_steps} and --rounds {args.rounds} must all be "
                       "at least 1.")
@@ -206,10 +209,10 @@ def run(args: argparse.Namespace) -> int:
     from maxctx import mesh as mesh_lib
     n, slices, platform = len(jax.devices()), mesh_lib.num_slices_of(jax.devices()), None
   steps = 1 + args.steps * args.rounds + args.trace_steps
-  cases = plan_lib.plan(config, strategies, lengths, n, slices, args.context, steps, platform)
+  cases = cases_lib.plan(config, strategies, lengths, n, slices, args.context, steps, platform)
   cases = in_length_order(cases + also_cases(args, n, slices, steps, platform))
   out.mkdir(parents=True, exist_ok=True)  # Only now: a refused command leaves nothing behind.
-  log.info("%d runs (%s × %s%s) into %s", len(cases), ",".join(strategies), ",".join(map(plan_lib.tokens, lengths)),
+  log.info("%d runs (%s × %s%s) into %s", len(cases), ",".join(strategies), ",".join(map(cases_lib.tokens, lengths)),
            "".join(f", --also {p}" for p in args.also), out)
   if args.topology:
     records, where, setup = estimate_all(config, cases, args, out)
@@ -226,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
   spread = {k: v for k, v in report.loss_spread(records).items() if v > report.LOSS_TOLERANCE}
   if spread and config.model.dtype == "float32":
     print(f"error: last-step losses disagree across strategies by more than {report.LOSS_TOLERANCE:g} at "
-          + ", ".join(f"{plan_lib.tokens(n)} ({v:.2e})" for n, v in spread.items())
+          + ", ".join(f"{cases_lib.tokens(n)} ({v:.2e})" for n, v in spread.items())
           + "; every strategy is exact in float32, so this is a bug.", file=sys.stderr)
     return 1
   return 0

@@ -1,5 +1,6 @@
 """`--topology`: nothing runs; each (strategy, length) is compiled ahead of time for a TPU slice with
-`maxctx.compile.compile_for`, and its memory, fit and collective bytes feed a roofline estimate (maxctx.bench.roofline).
+`maxctx.compile.step.compile_for`, and its memory, fit and collective bytes feed a roofline estimate
+(maxctx.bench.roofline).
 
 An 8B step for 128 devices takes minutes to tens of minutes to compile on a small machine, so reports are reused:
   1. the cache under `<out>/compile-cache/`, keyed by a hash of what decides the compiled step (model, mesh,
@@ -23,14 +24,14 @@ from typing import Any
 
 from maxctx import attention
 from maxctx import chips as chips_lib
-from maxctx import compile as compile_lib
-from maxctx import hlo as hlo_lib
 from maxctx import metrics as metrics_lib
-from maxctx import plan_model
 from maxctx import topology as topology_lib
 from maxctx import trainer as trainer_lib
 from maxctx.bench import roofline
-from maxctx.bench.plan import Case
+from maxctx.bench.cases import Case
+from maxctx.compile import hlo as hlo_lib
+from maxctx.compile import step as compile_step
+from maxctx.compile.report import CompileReport
 from maxctx.config import Config
 from maxctx.errors import MaxctxError
 
@@ -64,7 +65,7 @@ def _expected(config: Config, topo: topology_lib.Topology, num_slices: int, mesh
 
 
 def find_report(directory: pathlib.Path, config: Config, topo: topology_lib.Topology, num_slices: int,
-                mesh: dict[str, int]) -> tuple[compile_lib.CompileReport, pathlib.Path] | None:
+                mesh: dict[str, int]) -> tuple[CompileReport, pathlib.Path] | None:
   """A compile report in `directory` whose recorded fields all match `config` on `topo`."""
   if config.attention.ulysses_degree is not None:
     return None  # reports do not record it, so a match could not be told from a mismatch
@@ -78,7 +79,7 @@ def find_report(directory: pathlib.Path, config: Config, topo: topology_lib.Topo
     # model.remat_group without layer groups: CompileReport.remat_group).
     if isinstance(report, dict) and all(report.get(k, 0 if k == "mlp_chunk" else None) == v
                                         for k, v in want.items()):
-      parsed = compile_lib.CompileReport.from_json(report)
+      parsed = CompileReport.from_json(report)
       if parsed.remat_group == config.model.remat_group:
         return parsed, path
   return None
@@ -101,7 +102,7 @@ def _inspect(compiled) -> dict[str, Any]:
 
 
 def report_for(case: Case, mesh: dict[str, int], out_dir: pathlib.Path, reports: list[pathlib.Path],
-               compile_missing: bool) -> tuple[compile_lib.CompileReport | None, str]:
+               compile_missing: bool) -> tuple[CompileReport | None, str]:
   """(the compile report of `case` for its config's compile.topology, where it came from); (None, why) when there is
   none and none may be made."""
   topo = topology_lib.resolve(case.config.compile.topology)
@@ -109,7 +110,7 @@ def report_for(case: Case, mesh: dict[str, int], out_dir: pathlib.Path, reports:
   key = config_key(case.config, topo.name, num_slices)
   cache = out_dir / "compile-cache" / f"{case.name}-{topo.name}-{key}.json"
   if cache.exists():
-    return compile_lib.CompileReport.from_json(json.loads(cache.read_text())), f"cache {cache.name}"
+    return CompileReport.from_json(json.loads(cache.read_text())), f"cache {cache.name}"
   for directory in reports:
     if found := find_report(directory, case.config, topo, num_slices, mesh):
       return found[0], f"report {found[1]}"
@@ -121,7 +122,7 @@ def report_for(case: Case, mesh: dict[str, int], out_dir: pathlib.Path, reports:
   if not compile_missing:
     return None, "not compiled (no cached or matching report; run without --no-compile)"
   log.info("compiling %s for %s ...", case.name, topo.name)
-  report = compile_lib.compile_for(case.config, inspect=_inspect)
+  report = compile_step.compile_for(case.config, inspect=_inspect)
   cache.parent.mkdir(parents=True, exist_ok=True)
   cache.write_text(json.dumps({**report.to_json(), "config_key": key, "program_fields": program_fields(case.config)},
                               indent=2))
@@ -162,7 +163,7 @@ def record(case: Case, mesh: dict[str, int], out_dir: pathlib.Path, reports: lis
     rec["reason"] = (f"does not fit: needs {report.memory.total / topology_lib.GIB:.1f} GiB per device of "
                      f"{topo.hbm_bytes / topology_lib.GIB:.1f} GiB HBM ({report.over_bytes / topology_lib.GIB:.1f} "
                      "GiB over)")
-  rec.update(roofline.estimate(report, topo, plan_model.recomputed_flops(case.config, mesh)))
+  rec.update(roofline.estimate(report, topo, roofline.recomputed_flops(case.config, mesh)))
   coll = rec.get("collective_bytes")
   if coll is None:
     rec["note"] = "network time not estimated: the report has no collective bytes (compile it with maxctx.bench)"

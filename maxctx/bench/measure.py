@@ -25,9 +25,9 @@ import jax
 from maxctx import data as data_lib
 from maxctx import mesh as mesh_lib
 from maxctx import metrics as metrics_lib
-from maxctx import hlo as hlo_lib
 from maxctx.bench import trace as trace_lib
-from maxctx.bench.plan import Case
+from maxctx.bench.cases import Case
+from maxctx.compile import hlo as hlo_lib
 from maxctx.errors import ConfigError, MaxctxError
 from maxctx.trainer import Trainer
 

@@ -9,7 +9,7 @@ import pathlib
 import textwrap
 from typing import Sequence
 
-from maxctx.bench.plan import tokens
+from maxctx.bench.cases import tokens
 from maxctx.bench.report import GIB, MIB, Record, all_bytes
 
 _MARKERS = ("o", "s", "^", "D", "v", "P", "X")

@@ -21,7 +21,7 @@ import math
 import pathlib
 from typing import Any, Sequence
 
-from maxctx.bench.plan import tokens
+from maxctx.bench.cases import tokens
 from maxctx.config import MESH_AXES
 
 MIB, GIB = 2**20, 2**30
@@ -89,7 +89,7 @@ class Record:
   est_kernel_efficiency: tuple[float, float] | None = None
   est_step_s_range: tuple[float, float] | None = None
   est_mfu_range: tuple[float, float] | None = None
-  # The planner's analytic cost model (maxctx.plan_model), before any compile: bytes per device, seconds.
+  # The planner's analytic cost model (maxctx.plan.cost_model), before any compile: bytes per device, seconds.
   model_memory: dict[str, float] | None = None
   model_memory_total: float | None = None
   model_host: float | None = None
@@ -209,7 +209,7 @@ def markdown_measured(records: Sequence[Record], title: str, setup: str) -> str:
   lines += ["", "CP comm share: the mean time one device spends in the attention strategy's collectives (the "
             "`attention` named scope) during the profiled steps, divided by their wall time; \"all collectives\" adds "
             "data-parallel and ZeRO-3 traffic. Bytes are sent per device per step, loop trip counts included "
-            "(maxctx/hlo.py). Runtime peak is `device.memory_stats()`, which XLA:CPU does not keep (—); it "
+            "(maxctx/compile/hlo.py). Runtime peak is `device.memory_stats()`, which XLA:CPU does not keep (—); it "
             "counts from the start of the process, so a run below an earlier run's peak cannot be told apart."]
   return "\n".join(lines) + "\n"
 

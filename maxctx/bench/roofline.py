@@ -1,12 +1,12 @@
 """Estimated step time and MFU on a TPU slice from a compiled (not run) step: a roofline. Every number this module
 returns is an estimate, and is labelled so wherever it is printed or plotted.
 
-The model, per device, from the compile report of `maxctx.compile.compile_for` and the step's collective bytes
-(maxctx.hlo, loop trip counts included):
+The model, per device, from the compile report of `maxctx.compile.step.compile_for` and the step's collective bytes
+(maxctx.compile.hlo, loop trip counts included):
   compute  = analytic model FLOPs per device × 4/3 under `remat: full` or `full_offload` (the forward runs twice;
              × 5/3 with model.remat_group > 1, where it runs three times);
              under `save_attention_out`, `save_dots` and `none` plus the forward FLOPs they rerun when the caller
-             gives them (maxctx.plan_model.recomputed_flops: the projections and the MLP, or attention, or a chunked
+             gives them (`recomputed_flops`: the projections and the MLP, or attention, or a chunked
              MLP's gate and up), else none
              / peak bf16 FLOP/s
   memory   = (argument + output + 2 × temp bytes) / HBM bandwidth: each byte the step holds is written or read at
@@ -30,8 +30,10 @@ from __future__ import annotations
 from typing import Any
 
 from maxctx import chips
+from maxctx import metrics
 from maxctx import topology as topology_lib
-from maxctx.compile import CompileReport
+from maxctx.compile.report import CompileReport
+from maxctx.config import Config
 from maxctx.errors import ConfigError
 
 GB = 1e9
@@ -71,6 +73,36 @@ def bytes_per_link(sent: dict[str, float], chip: chips.Chip, per_chip: int) -> f
   link; the rest spread over all of the chip's links, shared by its devices."""
   ring = sent.get("collective-permute", 0) + sent.get("collective-broadcast", 0)
   return ring + (sum(sent.values()) - ring) / (chip.ici_links / per_chip)
+
+
+def forward_runs(m) -> int:
+  """How often a layer's forward runs per step under `full` or `full_offload`: once, and again in its backward; with
+  model.remat_group > 1 once more, where its group's backward reruns the group to recover its layers' inputs (the
+  scan reruns every layer of the group, the last one's output unused: maxctx.model.transformer.grouped_layers)."""
+  return 3 if m.remat_group > 1 else 2
+
+
+def recomputed_flops(config: Config, sizes: dict[str, int] | None = None) -> float:
+  """The forward FLOPs that remat runs again in the backward: the layers' whole forward under `full` and
+  `full_offload` (twice with model.remat_group > 1: `forward_runs`); their projections and MLP under
+  `save_attention_out` (attention's output and softmax statistics are kept, so attention itself is not rerun);
+  attention alone under `save_dots` (its output is no dot, and the output projection's gradient needs it); nothing
+  under `none`. A chunked MLP (model.mlp_chunk below the tokens per device of mesh `sizes`) rematerializes each step,
+  so under `none` its gate and up projections run again; under the other policies it costs nothing more (counted: the
+  dot FLOPs of the compiled CPU step, loops' trip counts included, are the same chunked and not under them, and
+  greater by exactly those two projections under `none`)."""
+  m, d = config.model, config.data
+  tokens = d.batch_size * d.seq_len
+  weights = 2.0 * (metrics.matmul_params(m) - m.d_model * m.vocab_size) * tokens
+  attention_core = (metrics.flops_per_step(m, d.batch_size, d.seq_len) - 6.0 * metrics.matmul_params(m) * tokens) / 3
+  forward = weights + attention_core
+  again = (forward_runs(m) - 1) * forward
+  out = {"full": again, "full_offload": again, "save_attention_out": weights, "save_dots": attention_core,
+         "none": 0.0}[m.remat]
+  local = d.seq_len // (sizes or {}).get("context", 1)
+  if m.remat == "none" and 0 < m.mlp_chunk < local:
+    out += 2.0 * 2 * m.d_model * m.d_ff * m.n_layers * tokens
+  return out
 
 
 def estimate(report: CompileReport, topo: topology_lib.Topology,

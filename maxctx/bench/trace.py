@@ -25,7 +25,7 @@ from typing import Iterator
 
 import jax
 
-from maxctx.hlo import Collectives
+from maxctx.compile.hlo import Collectives
 
 
 @dataclasses.dataclass

@@ -1,10 +1,10 @@
-"""Compiles a run's train step for its TPU slice ahead of time, on any machine with libtpu (the `tpu` extra), and
-prints what the step needs of the slice (the library: maxctx.compile).
+"""Does this run file fit its TPU slice? Compiles the run's train step for its slice ahead of time, on any machine with
+libtpu (the `tpu` extra), and prints what the step needs of the slice (the library: maxctx.compile.step).
 
     python -m maxctx.compile configs/recipes/llama3.1-8b-14m-ring-tpu7x-128.yml [compile.topology=v5p-128] [--json]
 
 A run file with `attention.strategy: auto` or `model.remat: auto` is planned for the slice first, as
-`python -m maxctx.plan --topology` plans (maxctx.plan_auto.resolve_for_slice), and the report is the chosen
+`python -m maxctx.plan --topology` plans (maxctx.plan.auto.resolve_for_slice), and the report is the chosen
 candidate's from that plan's compile. The command lives apart from the library because the planner compiles through
 the library.
 """
@@ -17,10 +17,11 @@ import logging
 import pathlib
 import sys
 
-from maxctx import compile as compile_lib
 from maxctx import console
-from maxctx import plan_auto
 from maxctx import resume_match
+from maxctx.compile import step as compile_step
+from maxctx.compile.report import format_report
+from maxctx.plan import auto as plan_auto
 from maxctx.config import Config
 from maxctx.errors import ArgumentParser, exit_code
 
@@ -55,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
   console.setup("stderr")
 
   def body():
-    config = compile_lib.load(args.config, args.overrides)
+    config = compile_step.load(args.config, args.overrides)
     if plan_auto.is_auto(config):
       # The planner for the slice compiles the candidates, the chosen one among them: its report is this command's.
       keys = plan_auto.planned_keys(config)
@@ -65,8 +66,8 @@ def main(argv: list[str] | None = None) -> int:
                args.config, config.compile.topology)
     else:
       log.info("compiling %s for %s ...", args.config, config.compile.topology)
-      report = compile_lib.compile_for(config)
-    print(json.dumps(report.to_json(), indent=2) if args.json else compile_lib.format_report(report))
+      report = compile_step.compile_for(config)
+    print(json.dumps(report.to_json(), indent=2) if args.json else format_report(report))
 
   return exit_code(body)
 

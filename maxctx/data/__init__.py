@@ -2,6 +2,7 @@
 
     pipeline = maxctx.data.build(config, mesh)
     batch = next(pipeline)   # {"tokens", "targets", "segment_ids", "positions"}: int32 [batch_size, seq_len]
+    pipeline.shares()        # with data.mixture: {"data/share/<name>": that batch's share of tokens per source}
     saved = pipeline.state()  # JSON-able; pipeline.restore(saved) continues with exactly the next batch
 
 Contract with the model: the loss counts token t iff segment_ids[t] != 0, and targets[t] is the token that follows
@@ -20,7 +21,7 @@ restores onto any mesh.
 from __future__ import annotations
 
 import atexit
-import functools
+import dataclasses
 import logging
 from typing import Iterator, Sequence
 
@@ -30,8 +31,8 @@ from jax.sharding import Mesh, NamedSharding
 
 from maxctx import sharding
 from maxctx.config import Config
-from maxctx.data import dataset
-from maxctx.data.packing import FIELDS
+from maxctx.data import dataset, mixture
+from maxctx.data.packing import FIELDS, SOURCES
 from maxctx.errors import CheckpointError
 
 log = logging.getLogger("maxctx.data")
@@ -41,7 +42,7 @@ STATE_VERSION = 1
 # layout is applied to each batch as it is made, and rows do not depend on which process makes them.
 STREAM_KEYS = ("data.source", "data.path", "data.seq_len", "data.batch_size", "data.tokenizer", "data.text_field",
                "data.text_separator", "data.packing", "data.long_documents", "data.shuffle", "data.num_workers",
-               "run.seed")
+               "data.mixture", "data.long_threshold", "data.long_weight", "run.seed")
 
 
 def local_rows(batch_sharding: NamedSharding, shape: tuple[int, int]) -> list[int]:
@@ -52,17 +53,11 @@ def local_rows(batch_sharding: NamedSharding, shape: tuple[int, int]) -> list[in
   return sorted(rows)
 
 
-def to_global(local: dict[str, np.ndarray], rows: Sequence[int], batch_sharding: NamedSharding,
+def to_global(local: dict[str, np.ndarray], batch_sharding: NamedSharding,
               shape: tuple[int, int]) -> dict[str, jax.Array]:
-  """Global arrays from this process's rows: each addressable device receives only its own [rows, columns] slice."""
-  where = {r: i for i, r in enumerate(rows)}
-
-  def shard(idx, v):
-    r0, r1, _ = idx[0].indices(shape[0])
-    return v[where[r0]:where[r0] + r1 - r0, idx[1]]
-
-  return {k: jax.make_array_from_callback(shape, batch_sharding, functools.partial(shard, v=v))
-          for k, v in local.items()}
+  """Global arrays from this process's rows (`local_rows`, in that order, every column): jax places each addressable
+  device's [rows, columns] slice, and no process holds or sends another's rows."""
+  return {k: jax.make_array_from_process_local_data(batch_sharding, v, shape) for k, v in local.items()}
 
 
 class Pipeline(Iterator[dict[str, jax.Array]]):
@@ -78,6 +73,7 @@ class Pipeline(Iterator[dict[str, jax.Array]]):
     self._dataset, self._bad = dataset.local_dataset(config, self.rows, mesh.shape[sharding.SEQ_AXIS])
     self._iter = iter(self._dataset)
     self._step = 0
+    self._source_tokens: np.ndarray | None = None
     if d.num_workers or d.prefetch:
       # Worker processes (and the prefetch thread) must stop before the interpreter tears down the modules they use.
       atexit.register(self.close)
@@ -93,10 +89,22 @@ class Pipeline(Iterator[dict[str, jax.Array]]):
     """The next batch's rows of this process, as numpy [len(self.rows), seq_len], laid out as on the devices."""
     out = next(self._iter)
     self._step += 1
+    if SOURCES in out:   # counted here, on the host: the batch the devices see holds FIELDS only
+      sources = out.pop(SOURCES)
+      self._source_tokens = np.bincount(sources[sources >= 0], minlength=len(self._config.data.mixture))
     return out
 
+  def shares(self) -> dict[str, float]:
+    """The last batch's share of (non-padding target) tokens from each mixture source, as TensorBoard scalars
+    data/share/<name>, over this process's rows; empty without a mixture."""
+    counts = self._source_tokens
+    if counts is None:
+      return {}
+    total = max(int(counts.sum()), 1)
+    return {f"data/share/{mixture.name(self._config.data, i)}": int(c) / total for i, c in enumerate(counts)}
+
   def __next__(self) -> dict[str, jax.Array]:
-    return to_global(self.host_batch(), self.rows, self._sharding, self._shape)
+    return to_global(self.host_batch(), self._sharding, self._shape)
 
   def check_first_batch(self) -> None:
     """Makes the first batch and rewinds, so that a record the data cannot use stops the run before the run directory
@@ -117,7 +125,8 @@ class Pipeline(Iterator[dict[str, jax.Array]]):
     out = {}
     for key in STREAM_KEYS:
       section, name = key.split(".")
-      out[name] = getattr(getattr(self._config, section), name)
+      value = getattr(getattr(self._config, section), name)
+      out[name] = [dataclasses.asdict(v) for v in value] if isinstance(value, tuple) else value
     return out
 
   def state(self) -> dict:

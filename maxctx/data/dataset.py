@@ -7,10 +7,13 @@ only the rows its devices hold, and the global batch is the same for any number 
   source ─shuffle, repeat, [r::B]─ encode ─ pack ─┐
   ...                                             ├─ zip ─ stack, zigzag ─ (prefetch) → {field: [rows, seq_len]}
   source ─shuffle, repeat, [r'::B]─ encode ─ pack ┘
+
+With data.mixture each row mixes its own slice [r::B] of every source before packing (maxctx.data.mixture).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Sequence
 
@@ -19,7 +22,7 @@ import numpy as np
 
 from maxctx.attention import layout
 from maxctx.config import Config
-from maxctx.data import packing, passkey, sources, synthetic, tasks, tokenizers
+from maxctx.data import mixture, packing, passkey, sources, synthetic, tasks, tokenizers
 from maxctx.errors import ConfigError, DataError
 
 log = logging.getLogger("maxctx.data")
@@ -36,9 +39,9 @@ class Encode(grain.transforms.Map):
   """
 
   def __init__(self, tokenizer: tokenizers.Tokenizer | None, vocab_size: int, records: int | None = None,
-               bad=None):
+               bad=None, key: str = "data.path"):
     self._tokenizer, self._vocab_size = tokenizer, vocab_size
-    self._records, self._bad = records, bad
+    self._records, self._bad, self._key = records, bad, key
     self._read, self._usable = 0, 0
 
   def map(self, record):
@@ -47,8 +50,8 @@ class Encode(grain.transforms.Map):
     self._usable += len(doc) >= 2
     if self._records and not self._usable and self._read >= self._records:
       first = f" (the first: {self._bad.first})" if self._bad is not None and self._bad.first else ""
-      raise DataError(f"data.path yields no usable document: none of its {self._records} records gave two tokens or "
-                      f"more{first}; fix the data (or data.text_field), or point data.path at other files.")
+      raise DataError(f"{self._key} yields no usable document: none of its {self._records} records gave two tokens "
+                      f"or more{first}; fix the data (or its text_field), or point {self._key} at other files.")
     return doc
 
   def _encode(self, record):
@@ -75,7 +78,7 @@ def tokenizer_for(config: Config, writes_text: bool = False) -> tokenizers.Token
   d, vocab = config.data, config.model.vocab_size
   if d.tokenizer:
     tok = tokenizers.load(d.tokenizer)
-  elif d.source == "stdlib" or (writes_text and vocab <= MAX_STDLIB_VOCAB):
+  elif "stdlib" in (d.source, *(m.source for m in d.mixture)) or (writes_text and vocab <= MAX_STDLIB_VOCAB):
     tok = tokenizers.stdlib_tokenizer(vocab)
   elif writes_text:
     raise ConfigError(f"generated text needs a tokenizer, but this run has no data.tokenizer and model.vocab_size "
@@ -101,25 +104,64 @@ class _NoNones:
     return np.zeros(0, np.int32) if record is None else record
 
 
-def _rows_of_documents(source, config: Config, encode: Encode, rows: Sequence[int]) -> list[grain.IterDataset]:
-  # A row that reads its whole share of the corpus many times over without a usable document never fills; stop
-  # instead of spinning (possible only when almost every record is dropped or empty).
-  starved = (f"row {{row}} of the batch read {{n}} documents in a row without a usable one (dropped under "
-             f"data.bad_records=skip, empty, or a single token); data.path holds too few usable documents for "
-             f"data.batch_size {config.data.batch_size}: fix the data or use a smaller batch.")
+def _documents(source, config: Config, encode: Encode, seed: int) -> grain.MapDataset:
+  """The source's documents, shuffled (seeded), repeated forever, encoded, and thinned for up-sampling."""
   d = config.data
   docs = grain.MapDataset.source(_NoNones(source))
   if d.shuffle:
     # index_shuffle reseeds per epoch (seed + epoch), so repeated epochs come in new orders.
-    docs = docs.shuffle(seed=config.run.seed % 2**32)
-  docs = docs.repeat(None)
-  out = []
-  for r in rows:
-    stream = docs[r::d.batch_size].map(encode).to_iter_dataset(_READ)
-    out.append(packing.PackIterDataset(stream, d.seq_len, d.packing, d.long_documents,
-                                       max_empty=max(len(source), d.batch_size),
-                                       starved=starved.replace("{row}", str(r))))
-  return out
+    docs = docs.shuffle(seed=seed % 2**32)
+  docs = docs.repeat(None).map(encode)
+  if weight := mixture.upsampling(d):
+    docs = docs.random_map(mixture.Upsample(d.long_threshold, weight), seed=seed % 2**32)
+  return docs
+
+
+def _packed(stream: grain.IterDataset, config: Config, r: int, max_empty: int, path_key: str) -> grain.IterDataset:
+  # A row that reads its whole share of the corpus many times over without a usable document never fills; stop
+  # instead of spinning (possible only when almost every record is dropped or empty).
+  d = config.data
+  starved = (f"row {r} of the batch read {{n}} documents in a row without a usable one (dropped under "
+             f"data.bad_records=skip, empty, or a single token); {path_key} holds too few usable documents for "
+             f"data.batch_size {d.batch_size}: fix the data or use a smaller batch.")
+  return packing.PackIterDataset(stream, d.seq_len, d.packing, d.long_documents,
+                                 max_empty=max(max_empty, d.batch_size) * mixture.empty_allowance(d), starved=starved)
+
+
+def _rows_of_documents(source, config: Config, encode: Encode, rows: Sequence[int]) -> list[grain.IterDataset]:
+  docs, b = _documents(source, config, encode, config.run.seed), config.data.batch_size
+  return [_packed(docs[r::b].to_iter_dataset(_READ), config, r, len(source), "data.path") for r in rows]
+
+
+def _rows_of_mixture(config: Config, tok, rows: Sequence[int]) -> tuple[list[grain.IterDataset], list]:
+  d = config.data
+  docs, bads, records = [], [], 0
+  for i, m in enumerate(d.mixture):
+    key = f"data.mixture[{i}].path"
+    entry = dataclasses.replace(d, source=m.source, path=m.path, text_field=m.text_field,
+                                text_separator=m.text_separator)
+    source, bad = sources.open_source(entry, has_tokenizer=tok is not None, key=key)
+    encode = Encode(tok, config.model.vocab_size, len(source), bad, key)
+    docs.append(_documents(source, config, encode, mixture.source_seed(config.run.seed, i)))
+    bads.append(bad)
+    records += len(source)
+  truncate_at = d.seq_len if d.long_documents == "truncate" else None
+  weights = [m.weight for m in d.mixture]
+  streams = [_packed(mixture.MixIterDataset([s[r::d.batch_size].to_iter_dataset(_READ) for s in docs], weights,
+                                            truncate_at), config, r, records, "data.mixture")
+             for r in rows]
+  return streams, bads
+
+
+class _Skipped:
+  """The mixture's bad-record counters as one."""
+
+  def __init__(self, bads: list):
+    self._bads = bads
+
+  @property
+  def skipped(self) -> int:
+    return sum(b.skipped for b in self._bads)
 
 
 def _rows_of_synthetic(config: Config, rows: Sequence[int]) -> list[grain.IterDataset]:
@@ -148,6 +190,8 @@ class Stack(grain.transforms.Map):
     out = {k: np.stack([r[k] for r in row_dicts]) for k in packing.FIELDS}
     if self._context:
       out = {k: layout.zigzag(v, self._context, axis=1) for k, v in out.items()}
+    if packing.SOURCES in row_dicts[0]:   # host-only, counted not laid out
+      out[packing.SOURCES] = np.stack([r[packing.SOURCES] for r in row_dicts])
     return out
 
 
@@ -158,6 +202,9 @@ def local_dataset(config: Config, rows: Sequence[int], context: int) -> tuple[gr
     streams, bad = _rows_of_synthetic(config, rows), None
   elif d.source == "passkey":
     streams, bad = _rows_of_passkey(config, rows), None
+  elif d.source == "mixture":
+    streams, bads = _rows_of_mixture(config, tokenizer_for(config), rows)
+    bad = _Skipped(bads)
   else:
     tok = tokenizer_for(config)
     source, bad = sources.open_source(d, has_tokenizer=tok is not None)

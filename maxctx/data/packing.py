@@ -7,6 +7,8 @@ documents of their own (`split`), or keeps only its first piece (`truncate`). Ev
   tokens, targets   the pairs, 0 in padding
   segment_ids       1..n for the n pieces in the sequence, 0 in padding
   positions         0..len−1 inside each piece, 0 in padding
+  sources           only for documents given as [L, 2] (token, source index), from a mixture: each pair's source,
+                    −1 in padding; it stays on the host (the pipeline counts it), the model never sees it
 
 Methods:
   first_fit  a round fills up to `bins` open sequences, each piece going to the first with room; when a piece fits
@@ -33,6 +35,7 @@ import numpy as np
 from maxctx.errors import DataError
 
 FIELDS = ("tokens", "targets", "segment_ids", "positions")
+SOURCES = "sources"
 
 # first_fit keeps at most this many tokens in open sequences (and never more than MAX_BINS of them): at 14,680,064
 # tokens a round is 4 sequences (their documents, held by reference, cost 4 × 59 MB), at 8K it is 16.
@@ -45,15 +48,21 @@ def default_bins(seq_len: int) -> int:
 
 
 def write_sequence(pieces: list[np.ndarray], seq_len: int) -> dict[str, np.ndarray]:
-  """One packed sequence from pieces, each a document view of n+1 tokens holding n pairs."""
+  """One packed sequence from pieces, each a document view of n+1 tokens holding n pairs (or of [n+1, 2] tokens and
+  their source)."""
   out = np.zeros((4, seq_len), np.int32)
   tokens, targets, segment_ids, positions = out
+  tagged = pieces[0].ndim == 2
+  sources = np.full(seq_len, -1, np.int32) if tagged else None
   starts = np.empty(len(pieces), np.int64)
   t = 0
   for i, p in enumerate(pieces):
     n = len(p) - 1
-    tokens[t:t + n] = p[:-1]
-    targets[t:t + n] = p[1:]
+    if tagged:
+      tokens[t:t + n], targets[t:t + n], sources[t:t + n] = p[:-1, 0], p[1:, 0], p[0, 1]
+    else:
+      tokens[t:t + n] = p[:-1]
+      targets[t:t + n] = p[1:]
     starts[i] = t
     t += n
   # Segment ids and positions as running sums of a sparse pattern, in place: per-piece fills cost too much at ~100
@@ -64,7 +73,10 @@ def write_sequence(pieces: list[np.ndarray], seq_len: int) -> dict[str, np.ndarr
   positions[starts[1:]] = 1 - np.diff(starts).astype(np.int32)
   positions[0] = 0
   np.add.accumulate(positions[:t], out=positions[:t])
-  return dict(zip(FIELDS, out))
+  fields = dict(zip(FIELDS, out))
+  if tagged:
+    fields[SOURCES] = sources
+  return fields
 
 
 class _PackIterator(grain.DatasetIterator):
@@ -170,7 +182,8 @@ class _PackIterator(grain.DatasetIterator):
 
 
 class PackIterDataset(grain.IterDataset):
-  """Packs a parent of 1-D int32 documents (whole documents, BOS/EOS included) into dicts of FIELDS [seq_len]."""
+  """Packs a parent of 1-D int32 documents (whole documents, BOS/EOS included) into dicts of FIELDS [seq_len]; [L, 2]
+  (token, source) documents add SOURCES."""
 
   def __init__(self, parent: grain.IterDataset, seq_len: int, method: Literal["first_fit", "concat"] = "first_fit",
                long_documents: Literal["split", "truncate"] = "split", bins: int | None = None,

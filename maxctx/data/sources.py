@@ -33,10 +33,11 @@ log = logging.getLogger("maxctx.data")
 _BLOCK = 1 << 26  # Bytes read at a time while indexing.
 
 
-def expand(path_spec: str) -> list[str]:
-  """Files named by data.path: comma-separated files, directories (every file below) or glob patterns (** works)."""
+def expand(path_spec: str, key: str = "data.path") -> list[str]:
+  """Files named by data.path (or `key`): comma-separated files, directories (every file below) or glob patterns (**
+  works)."""
   if not path_spec.strip():
-    raise ConfigError("data.path is empty; set it to the files to read (a file, a directory or a glob).")
+    raise ConfigError(f"{key} is empty; set it to the files to read (a file, a directory or a glob).")
   files: list[str] = []
   for part in (p.strip() for p in path_spec.split(",")):
     p = os.path.expanduser(part)
@@ -49,7 +50,7 @@ def expand(path_spec: str) -> list[str]:
     if not found:
       what = ("matches no files" if glob.has_magic(p) else "is an empty directory" if os.path.isdir(p)
               else "does not exist")
-      raise DataError(f"data.path {part!r} {what} (relative paths are from {os.getcwd()}); check the path or pattern.")
+      raise DataError(f"{key} {part!r} {what} (relative paths are from {os.getcwd()}); check the path or pattern.")
     files += found
   return files
 
@@ -300,8 +301,9 @@ class Tfds:
     return _value(record[self._field], self._tokens, where, self._bad)
 
 
-def open_source(data, has_tokenizer: bool):
-  """The source for `data` (a DataConfig), and its bad-record counter."""
+def open_source(data, has_tokenizer: bool, key: str = "data.path"):
+  """The source for `data` (a DataConfig, or one mixture entry's view of it), and its bad-record counter; `key` names
+  the path in errors."""
   bad = _Bad(data.bad_records)
   start = time.monotonic()
   if data.source == "stdlib":
@@ -310,16 +312,15 @@ def open_source(data, has_tokenizer: bool):
   elif data.source == "text":
     if not has_tokenizer:
       raise ConfigError("data.source=text reads text, so it needs data.tokenizer (a SentencePiece .model or Llama 3 "
-                        "tokenizer.model; scripts/train_tokenizer.py trains one).")
-    src = Files(expand(data.path), getattr(data, "text_separator", ""), bad=bad)
+                        "tokenizer.model; python -m maxctx.train_tokenizer trains one).")
+    src = Files(expand(data.path, key), getattr(data, "text_separator", ""), bad=bad)
   elif data.source == "jsonl":
-    src = Jsonl(expand(data.path), data.text_field, not has_tokenizer, bad)
+    src = Jsonl(expand(data.path, key), data.text_field, not has_tokenizer, bad)
   elif data.source == "arrayrecord":
-    src = ArrayRecord(expand(data.path), not has_tokenizer, bad)
+    src = ArrayRecord(expand(data.path, key), not has_tokenizer, bad)
   elif data.source == "tfds":
     src = Tfds(data.path, data.text_field, not has_tokenizer, bad)
-  else:
-    raise ConfigError(f"data.source {data.source!r} is not one of synthetic, passkey, stdlib, text, jsonl, "
-                      "arrayrecord, tfds.")
-  log.info("data.source=%s: %d documents (indexed in %.1fs)", data.source, len(src), time.monotonic() - start)
+  else:   # the schema admits only the sources maxctx.data.dataset and this function open
+    raise ValueError(f"data.source {data.source!r} has no reader here")
+  log.info("%s (%s): %d documents (indexed in %.1fs)", key, data.source, len(src), time.monotonic() - start)
   return src, bad

@@ -18,8 +18,14 @@ Examples are a pure function of (task, seed, length, depth, index) and the token
   niah_single        one "special magic number" for a key word
   niah_multikey      four key–value needles with different keys; the question asks for one
   niah_multivalue    four values for the same key; the answer is all of them, in order of appearance
+  niah_multiquery    four key–value needles with different keys; the question asks for all four values, in the order
+                     it names the keys
   variable_tracking  RULER's chained assignments: VAR A = 12345, VAR B = VAR A, ...; the answer names every variable
                      that holds the value, in order of appearance
+  cwe, fwe           RULER's common- and frequent-word extraction, which have no needle (maxctx.data.ruler)
+
+An answer of several parts is scored as RULER scores it, by the share of the parts found (`spans` says which answer
+tokens spell each part).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from maxctx.data import ruler
 from maxctx.errors import ConfigError
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
@@ -62,6 +69,7 @@ class Example:
   needle_len: int = 0
   context_start: int = 0
   context_len: int = 0
+  spans: tuple[tuple[int, int], ...] = ()  # answer tokens [start, end) of each part; () for one part, the whole answer
 
   @property
   def measured_depth(self) -> float:
@@ -142,6 +150,17 @@ def _niah_multivalue(rng, pieces, values: int = 4) -> _Spec:
                answer_in_order=True, order_values=tuple(vals))
 
 
+def _niah_multiquery(rng, pieces, keys: int = 4) -> _Spec:
+  words = [pieces.words[i] for i in rng.choice(len(pieces.words), keys, replace=False)]
+  values = [_number(rng, 7) for _ in words]
+  # The needles go in at random places and the question names the keys in its own order, as RULER's does.
+  query = ", ".join(words[:-1]) + ", and " + words[-1]
+  return _Spec(NIAH_HEADER, [f"One of the special magic numbers for {w} is: {v}." for w, v in zip(words, values)],
+               f"What are all the special magic numbers for {query} mentioned in the provided text? "
+               f"The special magic numbers for {query} mentioned in the provided text are", ", ".join(values),
+               tuple(values))
+
+
 def _variable_tracking(rng, pieces, hops: int = 4) -> _Spec:
   letters = np.array(list(pieces.letters))
   names: list[str] = []
@@ -163,15 +182,18 @@ TASKS: dict[str, Callable[[np.random.Generator, Pieces], _Spec]] = {
     "niah_single": _niah_single,
     "niah_multikey": _niah_multikey,
     "niah_multivalue": _niah_multivalue,
+    "niah_multiquery": _niah_multiquery,
     "variable_tracking": _variable_tracking,
 }
+NO_DEPTH = frozenset(ruler.TASKS)  # tasks without a needle: made once per length and index, at depth 0
+NAMES = (*TASKS, *ruler.TASKS)
 
 
 def check_tasks(names: Sequence[str], where: str) -> None:
   for name in names:
-    if name not in TASKS:
-      close = difflib.get_close_matches(name, list(TASKS), n=1)
-      hint = f"did you mean {close[0]!r}?" if close else f"choose from {', '.join(TASKS)}."
+    if name not in NAMES:
+      close = difflib.get_close_matches(name, NAMES, n=1)
+      hint = f"did you mean {close[0]!r}?" if close else f"choose from {', '.join(NAMES)}."
       raise ConfigError(f"{where} names task {name!r}, which does not exist; {hint}")
 
 
@@ -185,6 +207,12 @@ def generate(task: str, pieces: Pieces, length: int, depth: float, index: int, s
   if not 0.0 <= depth <= 1.0:
     raise ConfigError(f"needle depth {depth} is outside [0, 1]; give depths as fractions of the context, e.g. 0,0.5,1.")
   rng = np.random.default_rng(_seed(task, seed, length, depth, index))
+  if task in NO_DEPTH:
+    p = ruler.TASKS[task](rng, pieces, length)
+    return Example(task=task, length=length, depth=depth, index=index,
+                   prompt=np.asarray(p.head + p.context + p.question, np.int32),
+                   answer=np.asarray(p.answer, np.int32), answer_text=p.answer_text, parts=p.parts,
+                   context_start=len(p.head), context_len=len(p.context), spans=_spans(pieces, p.answer, p.parts))
   spec = TASKS[task](rng, pieces)
   head = pieces.bos + pieces(spec.header)
   question = pieces(spec.question)
@@ -236,7 +264,24 @@ def generate(task: str, pieces: Pieces, length: int, depth: float, index: int, s
   prompt = np.asarray(head + context + question, np.int32)
   return Example(task=task, length=length, depth=depth, index=index, prompt=prompt, answer=np.asarray(answer, np.int32),
                  answer_text=answer_text, parts=spec.parts, needle_start=len(head) + start, needle_len=len(needles[0]),
-                 context_start=len(head), context_len=context_len)
+                 context_start=len(head), context_len=context_len, spans=_spans(pieces, answer, spec.parts))
+
+
+def _spans(pieces: Pieces, answer: list[int], parts: Sequence[str]) -> tuple[tuple[int, int], ...]:
+  """For each part, the answer tokens [start, end) whose text overlaps it (a token may span a part and a comma)."""
+  if len(parts) < 2:
+    return ()
+  decode = pieces.tokenizer.decode
+  text = decode(answer)
+  ends = [len(decode(answer[:i + 1])) for i in range(len(answer))]
+  starts = [0] + ends[:-1]
+  out = []
+  for part in parts:
+    c = text.find(part)
+    assert c >= 0, (part, text)
+    hit = [i for i in range(len(answer)) if starts[i] < c + len(part) and ends[i] > c]
+    out.append((hit[0], hit[-1] + 1))
+  return tuple(out)
 
 
 def _interleave(rng, needles: list[list[int]], filler: list[int]) -> list[int]:
@@ -259,6 +304,8 @@ def _find(haystack: list[int], needle: list[int], start: int) -> int:
 
 def sweep(tasks: Sequence[str], lengths: Sequence[int], depths: Sequence[float], samples: int, pieces: Pieces,
           seed: int = 0) -> list[Example]:
-  """Every (task, length, depth) cell with `samples` examples each, all checked for size before any is built."""
+  """Every (task, length, depth) cell with `samples` examples each, all checked for size before any is built; a task
+  without a needle has one cell per length, at depth 0."""
   check_tasks(tasks, "--tasks")
-  return [generate(t, pieces, n, d, i, seed) for t in tasks for n in lengths for d in depths for i in range(samples)]
+  return [generate(t, pieces, n, d, i, seed) for t in tasks for n in lengths
+          for d in ([0.0] if t in NO_DEPTH else depths) for i in range(samples)]

@@ -110,21 +110,56 @@ def _read_ranks(path: str, data: bytes) -> dict[bytes, int] | None:
   return ranks
 
 
-def load(path: str) -> Tokenizer:
-  """A SentencePiece model or tiktoken ranks file; DataError naming the path if it is missing or unreadable."""
+# The largest tokenizer file read: Llama 3's is 2 MB, SentencePiece models of 256K pieces a few MB. A bigger file is
+# data given by mistake, and reading it whole would only exhaust memory.
+MAX_TOKENIZER_BYTES = 256 * 2**20
+_WHAT = "a SentencePiece .model or Llama 3 tokenizer.model (python -m maxctx.train_tokenizer trains one)"
+
+
+def _read(path: str) -> bytes:
+  """The bytes of the tokenizer file at `path`; DataError naming the path when it is no file a tokenizer can be."""
   p = pathlib.Path(path).expanduser()
+  if p.is_dir():
+    inside = p / "tokenizer.model"
+    hint = f"; did you mean {inside}?" if inside.is_file() else f"; give the path of {_WHAT}."
+    raise DataError(f"data.tokenizer {path} is a directory, not a tokenizer file{hint}")
+  if not p.exists():
+    raise DataError(f"data.tokenizer {path} does not exist; give the path of {_WHAT}.")
   if not p.is_file():
-    raise DataError(f"data.tokenizer {path} does not exist; give the path of a SentencePiece .model or Llama 3 "
-                    "tokenizer.model (scripts/train_tokenizer.py trains one).")
-  data = p.read_bytes()
+    raise DataError(f"data.tokenizer {path} is not a regular file (a device, pipe or socket); give the path of "
+                    f"{_WHAT}.")
+  try:
+    with p.open("rb") as f:
+      data = f.read(MAX_TOKENIZER_BYTES + 1)
+  except OSError as e:
+    raise DataError(f"data.tokenizer {path} cannot be read ({e.strerror}); make it readable by this user or give "
+                    f"another path.") from None
+  if not data:
+    raise DataError(f"data.tokenizer {path} is an empty file (an interrupted download or copy?); replace it with "
+                    f"{_WHAT}.")
+  if len(data) > MAX_TOKENIZER_BYTES:
+    raise DataError(f"data.tokenizer {path} is larger than {MAX_TOKENIZER_BYTES // 2**20} MiB, far more than any "
+                    f"tokenizer; is it a data file? Give the path of {_WHAT}.")
+  return data
+
+
+def load(path: str) -> Tokenizer:
+  """A SentencePiece model or tiktoken ranks file; DataError naming the path, in one sentence, if it is missing, a
+  directory, unreadable, empty or of another format."""
+  data = _read(path)
   ranks = _read_ranks(path, data)
   if ranks:
-    return Tiktoken(str(p), ranks)
+    return Tiktoken(str(pathlib.Path(path).expanduser()), ranks)
   try:
-    return SentencePiece(str(p), data)
+    tok = SentencePiece(str(pathlib.Path(path).expanduser()), data)
   except RuntimeError:
-    raise DataError(f"data.tokenizer {path} is neither a SentencePiece model nor a tiktoken BPE ranks file; "
-                    "the file is corrupt or of another kind, replace it.") from None
+    tok = None
+  if tok is None or tok.vocab_size == 0:  # A protobuf with no pieces parses, then fails on the first encode.
+    hint = " (a Hugging Face tokenizer.json is not read; use the model's tokenizer.model)" \
+        if data.lstrip()[:1] == b"{" else ""
+    raise DataError(f"data.tokenizer {path} is neither a SentencePiece model nor a tiktoken BPE ranks file{hint}; "
+                    "the file is corrupt or of another kind, replace it.")
+  return tok
 
 
 def check_fits(tokenizer: Tokenizer, vocab_size: int) -> None:

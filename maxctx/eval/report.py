@@ -1,4 +1,8 @@
-"""What a sweep writes: eval.jsonl (one record per example), eval.md (tables), <task>.png (depth × length heatmaps)."""
+"""What a sweep writes: eval.jsonl (one record per example), eval.md (tables), <task>.png (depth × length heatmaps).
+
+A cell's accuracy is the mean recall of its examples (RULER's score: the share of each answer's parts found), which
+for a one-part answer is the share answered right. A task without a needle (cwe, fwe) has one row, depth "-".
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,8 @@ import pathlib
 from typing import Sequence
 
 import numpy as np
+
+from maxctx.data import tasks as tasks_lib
 
 log = logging.getLogger("maxctx.eval")
 
@@ -21,13 +27,17 @@ def _grid(records: Sequence[dict], task: str) -> tuple[list[int], list[float], n
   count = np.zeros_like(hits)
   for r in rs:
     i, j = depths.index(r["depth"]), lengths.index(r["length"])
-    hits[i, j] += r["correct"]
+    hits[i, j] += r["recall"]
     count[i, j] += 1
   return lengths, depths, hits / np.maximum(count, 1), count
 
 
 def _tasks(records: Sequence[dict], generated: bool) -> list[str]:
   return list(dict.fromkeys(r["task"] for r in records if (r["depth"] >= 0) == generated))
+
+
+def _depth(task: str, d: float) -> str:
+  return "-" if task in tasks_lib.NO_DEPTH else f"{d:g}"
 
 
 def _tokens(n: int) -> str:
@@ -42,14 +52,16 @@ def markdown(records: Sequence[dict], title: str) -> str:
   for task in _tasks(records, generated=True):
     lengths, depths, acc, count = _grid(records, task)
     rs = [r for r in records if r["task"] == task]
-    lines += [f"## {task}", "", "accuracy (%) by needle depth (rows) and length in tokens (columns); "
+    where = ("by length in tokens (columns); no needle, so one row" if task in tasks_lib.NO_DEPTH
+             else "by needle depth (rows) and length in tokens (columns)")
+    lines += [f"## {task}", "", f"accuracy (%, the share of the answer's parts found) {where}; "
               f"{int(count.max())} examples per cell", ""]
     lines.append("| depth | " + " | ".join(_tokens(n) for n in lengths) + " |")
     lines.append("|---:|" + "---:|" * len(lengths))
     for i, d in enumerate(depths):
-      lines.append(f"| {d:g} | " + " | ".join(f"{100 * a:.0f}" for a in acc[i]) + " |")
+      lines.append(f"| {_depth(task, d)} | " + " | ".join(f"{100 * a:.0f}" for a in acc[i]) + " |")
     by_len = [[r for r in rs if r["length"] == n] for n in lengths]
-    lines.append("| **all** | " + " | ".join(f"**{100 * np.mean([r['correct'] for r in g]):.0f}**" for g in by_len)
+    lines.append("| **all** | " + " | ".join(f"**{100 * np.mean([r['recall'] for r in g]):.0f}**" for g in by_len)
                  + " |")
     lines.append("| log p/token | " + " | ".join(f"{np.mean([r['logprob'] for r in g]):.3f}" for g in by_len) + " |")
     lines.append("")
@@ -59,7 +71,7 @@ def markdown(records: Sequence[dict], title: str) -> str:
               "|---|---:|---:|---:|---:|"]
     for task in files:
       rs = [r for r in records if r["task"] == task]
-      lines.append(f"| {task} | {len(rs)} | {100 * np.mean([r['correct'] for r in rs]):.0f} | "
+      lines.append(f"| {task} | {len(rs)} | {100 * np.mean([r['recall'] for r in rs]):.0f} | "
                    f"{np.mean([r['logprob'] for r in rs]):.3f} | {np.mean([r['length'] for r in rs]):.0f} |")
     lines.append("")
   return "\n".join(lines)
@@ -82,9 +94,9 @@ def heatmap(records: Sequence[dict], task: str, path: pathlib.Path, title: str) 
       ax.text(j, i, f"{100 * acc[i, j]:.0f}", ha="center", va="center", fontsize=10,
               color="black" if 25 < 100 * acc[i, j] < 85 else "white")
   ax.set_xticks(range(len(lengths)), [_tokens(n) for n in lengths])
-  ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths])
+  ax.set_yticks(range(len(depths)), [_depth(task, d) for d in depths])
   ax.set_xlabel("length (tokens, prompt + answer)")
-  ax.set_ylabel("needle depth (0 = start, 1 = end)")
+  ax.set_ylabel("no needle" if task in tasks_lib.NO_DEPTH else "needle depth (0 = start, 1 = end)")
   ax.set_title(f"{title}\n{task}: accuracy (%), {int(count.max())} examples per cell", fontsize=10)
   bar = fig.colorbar(im, ax=ax)
   bar.set_label("accuracy (%)")

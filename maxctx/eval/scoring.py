@@ -6,7 +6,9 @@ hidden states are picked at the A positions that predict answer tokens and only 
 
 An example is correct when every answer token is the *strict* argmax at its position (a tie is a miss, so a uniform
 distribution scores 0%, not whatever the lowest token id happens to be); its log-likelihood is the mean log-probability
-of its answer tokens.
+of its answer tokens. Its recall is RULER's score (string_match_all: the share of the expected parts found in the
+answer) read the same way: a part is found when every token that spells it is the strict argmax. For an answer of one
+part, recall is correctness.
 """
 
 from __future__ import annotations
@@ -46,6 +48,12 @@ def example_scores(logp_BA: np.ndarray, strict_BA: np.ndarray, mask_BA: np.ndarr
   correct_B = np.all(np.asarray(strict_BA) | ~mask_BA, axis=-1)
   mean_B = np.sum(np.where(mask_BA, logp_BA, 0.0), axis=-1) / np.maximum(mask_BA.sum(-1), 1)
   return correct_B, mean_B
+
+
+def recall(strict_A: np.ndarray, spans: Sequence[tuple[int, int]]) -> float:
+  """The share of an answer's parts (token spans [start, end); none: the whole answer) whose tokens are all right."""
+  spans = spans or [(0, len(strict_A))]
+  return sum(bool(np.all(strict_A[s:e])) for s, e in spans) / len(spans)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,7 +154,8 @@ class Scorer:
         for row, i in enumerate(ids):
           e = examples[i]
           out[i] = {"task": e.task, "length": e.length, "depth": e.depth, "index": e.index,
-                    "correct": bool(correct[row]), "logprob": float(mean[row]), "answer": e.answer_text,
+                    "correct": bool(correct[row]), "recall": recall(strict[row, :len(e.answer)], e.spans),
+                    "logprob": float(mean[row]), "answer": e.answer_text,
                     "argmax": top[row, :len(e.answer)].tolist()}
     return out  # type: ignore[return-value]
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import re
 import time
 from typing import Sequence
 
@@ -20,22 +19,9 @@ from maxctx.errors import ConfigError
 from maxctx.data import tasks
 from maxctx.data.dataset import tokenizer_for
 from maxctx.eval import local, scoring
+from maxctx.lengths import parse_lengths
 
 log = logging.getLogger("maxctx.eval")
-
-
-def parse_lengths(text: str, where: str) -> list[int]:
-  """`1k,4k,16k` → [1024, 4096, 16384]; k = 2^10, m = 2^20; plain numbers are tokens."""
-  out = []
-  for part in (p.strip().lower() for p in text.split(",") if p.strip()):
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)([km]?)", part)
-    if not m:
-      raise ConfigError(f"{where} has length {part!r}; write lengths in tokens like 512, 4k or 1m, comma-separated.")
-    n = float(m.group(1)) * {"": 1, "k": 1 << 10, "m": 1 << 20}[m.group(2)]
-    if n != int(n) or n < 1:
-      raise ConfigError(f"{where} has length {part!r}, which is not a whole number of tokens; use e.g. 1k or 1536.")
-    out.append(int(n))
-  return out
 
 
 def parse_depths(text: str, where: str) -> list[float]:
@@ -119,10 +105,10 @@ class Sweep:
 
 
 def accuracy(records: Sequence[dict]) -> dict[tuple[str, int], float]:
-  """Mean accuracy per (task, length)."""
-  cells: dict[tuple[str, int], list[bool]] = {}
+  """Mean accuracy per (task, length): the mean recall, RULER's score (for a one-part answer, the share right)."""
+  cells: dict[tuple[str, int], list[float]] = {}
   for r in records:
-    cells.setdefault((r["task"], r["length"]), []).append(r["correct"])
+    cells.setdefault((r["task"], r["length"]), []).append(r["recall"])
   return {k: sum(v) / len(v) for k, v in cells.items()}
 
 
@@ -131,10 +117,10 @@ def scalars(records: Sequence[dict]) -> dict[str, float]:
   out = {}
   for (task, length), acc in accuracy([r for r in records if r["depth"] >= 0]).items():
     out[f"eval/{task}/{length}"] = acc
-  files: dict[str, list[bool]] = {}
+  files: dict[str, list[float]] = {}
   for r in records:
     if r["depth"] < 0:
-      files.setdefault(r["task"], []).append(r["correct"])
+      files.setdefault(r["task"], []).append(r["recall"])
   out.update({f"eval/{task}/all": sum(v) / len(v) for task, v in files.items()})
   return out
 

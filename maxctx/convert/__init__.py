@@ -1,34 +1,30 @@
-"""Converts Llama checkpoints between Hugging Face (config.json + safetensors) and maxctx (Orbax params + model.yml).
-
-  python scripts/convert_hf.py import <hf_dir> <out_dir> [--unscanned]
-  python scripts/convert_hf.py export <params_dir> <model.yml or run config> <hf_out_dir> [--dtype bfloat16]
-                                      [section.key=value ...]
+"""Llama checkpoints between Hugging Face (config.json + safetensors) and maxctx (Orbax params + model.yml):
+`python -m maxctx.convert import|export` (maxctx/convert/__main__.py).
 
 import writes <out_dir>/params, an Orbax checkpoint of the maxctx params pytree (set checkpoint.load_params to it),
 and <out_dir>/model.yml, the model section the weights need (use it as the run file, or copy its keys into yours).
-Layers are stacked for model.scan_layers=true unless --unscanned.
+Layers are stacked for model.scan_layers=true unless --unscanned. A model training would refuse (e.g. query heads that
+are not a multiple of the KV heads) is refused before anything is written.
 
-export reads params from an Orbax checkpoint of either the params pytree or a tree holding it under 'params' (only
-that subtree is read), and writes safetensors (5 GB shards with an index above that) and a config.json that
-transformers' LlamaForCausalLM.from_pretrained loads. Tokenizer files are not touched; copy them alongside.
+export reads params as training's checkpoint.load_params does (maxctx.params_io: the params pytree, or a training
+checkpoint step whose 'params' subtree alone is read), and writes safetensors (5 GB shards with an index above that)
+and a config.json that transformers' LlamaForCausalLM.from_pretrained loads. Tokenizer files are not touched; copy
+them alongside.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import pathlib
-import sys
 from collections.abc import Iterator, Mapping
+from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # Runs from a checkout without installing.
-
-from maxctx import config as config_lib  # noqa: E402
-from maxctx import hf  # noqa: E402
-from maxctx.errors import ArgumentParser, CheckpointError, MaxctxError  # noqa: E402
+from maxctx import config as config_lib
+from maxctx import hf
+from maxctx.errors import CheckpointError, ConfigError
 
 SHARD_BYTES = 5 * 2**30
 SINGLE_FILE = "model.safetensors"
@@ -89,8 +85,7 @@ def import_hf(hf_dir: str | pathlib.Path, out_dir: str | pathlib.Path, scan_laye
                           "save_pretrained wrote.")
   overrides = hf.model_config_from_hf(hf_config)
   overrides["model.scan_layers"] = scan_layers
-  # Builds the full ModelConfig now so a value maxctx's schema rejects fails before any tensor is read.
-  model_cfg = config_lib.load(None).replace(**overrides).model
+  model_cfg = _trainable(config_lib.load(None).replace(**overrides), config_path).model
   params_path = out_dir / "params"
   if params_path.exists():
     raise CheckpointError(f"{params_path} already exists; choose a new output directory or remove it.")
@@ -103,42 +98,36 @@ def import_hf(hf_dir: str | pathlib.Path, out_dir: str | pathlib.Path, scan_laye
 
   model = {key.removeprefix("model."): value for key, value in overrides.items()}
   (out_dir / "model.yml").write_text(
-      f"# Converted from {hf_dir.resolve()} by scripts/convert_hf.py; params: {params_path}\n"
+      f"# Converted from {hf_dir.resolve()} by python -m maxctx.convert import; params: {params_path}\n"
       + yaml.safe_dump({"model": model}, sort_keys=False))
   return params_path
 
 
-def _restore_params(params_dir: pathlib.Path) -> dict:
-  """The params pytree of an Orbax checkpoint, as numpy on the host whatever sharding it was saved with."""
+def _trainable(config: config_lib.Config, source: pathlib.Path) -> config_lib.Config:
+  """`config` if training would accept its model (the checks `maxctx.train` makes, on one device), so that nothing is
+  written for a model no run can use; else one sentence naming the HF config."""
+  from maxctx import trainer
+
+  try:
+    trainer.validate(config, num_devices=1)
+  except ConfigError as e:
+    raise ConfigError(f"{source} describes a model maxctx cannot train: {e}") from None
+  return config
+
+
+def read_params(params_dir: str | pathlib.Path, config: config_lib.Config) -> Any:
+  """The params at `params_dir` (as checkpoint.load_params reads them, checked against the model first) on this
+  host's CPU, whatever sharding they were saved with, so a checkpoint of a pod exports on one machine."""
+  import flax.linen as nn
   import jax
-  import orbax.checkpoint as ocp
 
-  from maxctx import params_io
+  from maxctx import params_io, trainer
 
-  params_dir = params_dir.resolve()
-  if not params_dir.exists():
-    raise CheckpointError(f"params directory {params_dir} does not exist; pass the directory convert_hf.py import "
-                          "or a training checkpoint wrote.")
-  with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
-    try:
-      with params_io.quiet_orbax():
-        tree = getattr(checkpointer.metadata(params_dir).item_metadata, "tree", None)
-    except Exception as e:  # noqa: BLE001 — Orbax's reasons vary; the sentence names the directory and the fix.
-      tree, failure = None, f" ({params_io.why(e)})"
-    else:
-      failure = ""
-    if tree is None:
-      raise CheckpointError(f"params directory {params_dir} is not an Orbax checkpoint{failure}; pass the params/ "
-                            "directory convert_hf.py import wrote, or <run>/checkpoints/<step>/state.")
-    under_params = isinstance(tree, Mapping) and "params" in tree
-    if under_params:
-      tree = {"params": tree["params"]}
-    # np.empty targets restore every leaf as a host array, so a checkpoint sharded over a pod exports on one machine.
-    target = jax.tree.map(lambda m: np.empty(m.shape, m.dtype), tree)
-    restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), target)
-    restored = checkpointer.restore(params_dir, args=ocp.args.PyTreeRestore(
-        target, restore_args=restore_args, partial_restore=under_params))
-  return restored["params"] if under_params else restored
+  model = trainer.build_model(config, None)
+  boxed = jax.eval_shape(lambda rng: trainer.init_params(model, rng, 2), jax.random.key(0))
+  host = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+  shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=host), nn.unbox(boxed))
+  return params_io.read_params(str(params_dir), shapes, what="params directory")
 
 
 def _save_safetensors(state_dict: dict[str, np.ndarray], out_dir: pathlib.Path) -> None:
@@ -168,45 +157,14 @@ def _save_safetensors(state_dict: dict[str, np.ndarray], out_dir: pathlib.Path) 
 def export_hf(params_dir: str | pathlib.Path, config_path: str | pathlib.Path, hf_out_dir: str | pathlib.Path,
               overrides: list[str] | tuple[str, ...] = (), dtype: str | None = None) -> pathlib.Path:
   """Orbax params + the run's model config → a HF directory from_pretrained loads; returns that directory."""
-  model_cfg = config_lib.load(config_path, overrides).model
+  config = config_lib.load(config_path, overrides)
+  model_cfg = config.model
   out = pathlib.Path(hf_out_dir)
   if out.exists() and any(out.iterdir()):
     raise CheckpointError(f"{out} is not empty; choose a new output directory so no old shard is mixed in.")
-  state_dict = hf.hf_from_params(_restore_params(pathlib.Path(params_dir)), model_cfg, dtype=dtype)
+  state_dict = hf.hf_from_params(read_params(params_dir, config), model_cfg, dtype=dtype)
   out.mkdir(parents=True, exist_ok=True)
   _save_safetensors(state_dict, out)
   hf_config = hf.hf_config_from_model(model_cfg, dtype=dtype or str(next(iter(state_dict.values())).dtype))
   (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
   return out
-
-
-def main(argv: list[str] | None = None) -> int:
-  parser = ArgumentParser(description=__doc__.split("\n\n")[0],
-                          formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-  commands = parser.add_subparsers(dest="command", required=True)
-  p = commands.add_parser("import", help="HF directory → Orbax params + model.yml")
-  p.add_argument("hf_dir")
-  p.add_argument("out_dir")
-  p.add_argument("--unscanned", action="store_true", help="one subtree per layer, for model.scan_layers=false")
-  p = commands.add_parser("export", help="Orbax params + config → HF directory")
-  p.add_argument("params_dir")
-  p.add_argument("config", help="model.yml from import, or the run's config file")
-  p.add_argument("hf_out_dir")
-  p.add_argument("overrides", nargs="*", help="section.key=value, as for maxctx.train")
-  p.add_argument("--dtype", choices=("float32", "bfloat16"), help="cast the tensors (default: keep the params' dtype)")
-  args = parser.parse_args(argv)
-  try:
-    if args.command == "import":
-      path = import_hf(args.hf_dir, args.out_dir, scan_layers=not args.unscanned)
-      print(f"wrote {path} and {path.parent / 'model.yml'}")
-    else:
-      path = export_hf(args.params_dir, args.config, args.hf_out_dir, args.overrides, args.dtype)
-      print(f"wrote {path}")
-  except MaxctxError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
-  return 0
-
-
-if __name__ == "__main__":
-  sys.exit(main())

@@ -1,8 +1,8 @@
 """Trains a SentencePiece tokenizer on local text, for data.tokenizer.
 
-  python scripts/train_tokenizer.py --vocab-size 8192 --output tok.model 'corpus/**/*.txt'
-  python scripts/train_tokenizer.py --vocab-size 512 --output tok.model --stdlib      # the demo's corpus
-  python scripts/train_tokenizer.py --vocab-size 32000 --output tok.model --jsonl-field text data/*.jsonl
+  python -m maxctx.train_tokenizer --vocab-size 8192 --output tok.model 'corpus/**/*.txt'
+  python -m maxctx.train_tokenizer --vocab-size 512 --output tok.model --stdlib      # the demo's corpus
+  python -m maxctx.train_tokenizer --vocab-size 32000 --output tok.model --jsonl-field text data/*.jsonl
 
 Text is kept as it is (whitespace, newlines and tabs survive a round trip), which suits code as well as prose.
 Files are read whole, one document each; --max-sentences samples ~2 KB chunks for large corpora.
@@ -10,16 +10,12 @@ Files are read whole, one document each; --max-sentences samples ~2 KB chunks fo
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
-import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from maxctx.data import sources, tokenizers  # noqa: E402
-from maxctx.errors import MaxctxError  # noqa: E402
+from maxctx.data import sources, tokenizers
+from maxctx.errors import ArgumentParser, MaxctxError
 
 log = logging.getLogger("maxctx.data")
 
@@ -37,8 +33,8 @@ def texts(files: list[str], jsonl_field: str | None):
             yield value
 
 
-def main() -> None:
-  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+  ap = ArgumentParser(prog="python -m maxctx.train_tokenizer", description=__doc__.splitlines()[0])
   ap.add_argument("paths", nargs="*", help="files, directories or glob patterns (quote them)")
   ap.add_argument("--stdlib", action="store_true", help="train on the Python standard library's .py files")
   ap.add_argument("--vocab-size", type=int, required=True, help="must not exceed model.vocab_size")
@@ -46,11 +42,11 @@ def main() -> None:
   ap.add_argument("--model-type", default="bpe", choices=["bpe", "unigram"])
   ap.add_argument("--jsonl-field", help="read JSON Lines files and train on this field")
   ap.add_argument("--max-sentences", type=int, default=0, help="sample this many ~2 KB chunks; 0 = all")
-  args = ap.parse_args()
+  args = ap.parse_args(argv)
+  if args.stdlib == bool(args.paths):
+    ap.error("give input paths or --stdlib (one of the two)")
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S", force=True)
   try:
-    if args.stdlib == bool(args.paths):
-      raise SystemExit("give input paths or --stdlib (one of the two).")
     files = [str(f) for f in sources.stdlib_files()] if args.stdlib else sources.expand(",".join(args.paths))
     log.info("training on %d files", len(files))
     out = tokenizers.train_sentencepiece(texts(files, args.jsonl_field), args.output, args.vocab_size,
@@ -58,8 +54,10 @@ def main() -> None:
     tok = tokenizers.load(str(out))
     print(f"wrote {out}: {tok.vocab_size} tokens, BOS {tok.bos_id}, EOS {tok.eos_id}")
   except MaxctxError as e:
-    raise SystemExit(str(e)) from None
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  return 0
 
 
 if __name__ == "__main__":
-  main()
+  sys.exit(main())

@@ -1,24 +1,22 @@
 """Launch a recipe on a GKE TPU cluster with XPK (https://github.com/AI-Hypercomputer/xpk):
 
-    python scripts/launch_xpk.py configs/recipes/llama3.1-8b-14m-ring-tpu7x-128.yml --cluster my-cluster \\
+    python -m maxctx.launch configs/recipes/llama3.1-8b-14m-ring-tpu7x-128.yml --cluster my-cluster \\
         --tpu-type tpu7x-128 --num-slices 1 --image us-docker.pkg.dev/my-project/maxctx/tpu:latest [--dry-run] \\
         [-- run.steps=20 ...]
 
 Builds the `xpk workload create` command that runs `python -m maxctx.train <recipe>` on every host of the slices,
-prints it, and runs it unless --dry-run. The recipe is checked against the TPU type first (mesh sizes, slice count,
-strategy constraints), so a config that cannot run fails here, not after the pods are scheduled. Fit is checked too:
-a recipe runs as compiled for its own `compile` section (the README's table); a launch that changes the step (another
-TPU type or slice count, or overrides of its shape) needs `--fit-report`, the JSON of a `maxctx.compile` of that step
-that says it fits. The image must hold this repository at its working directory (docker/Dockerfile does), so the
-recipe is passed by its repository path.
+prints it, and runs it unless --dry-run. The cluster, image and bucket names are checked against GKE's, the container
+registries' and Cloud Storage's naming rules first; then the recipe against the TPU type (mesh sizes, slice count,
+strategy constraints), so a config that cannot run fails here, not after the pods are scheduled; then its fit
+(maxctx.compile.fit): a launch that changes the recipe's compiled step needs `--fit-report`. The image must hold the
+repository at its working directory (docker/Dockerfile does), so the recipe is passed by its path under configs/.
+xpk is run without a shell, with every value as one argument.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import json
-import os
 import pathlib
 import re
 import shlex
@@ -26,19 +24,17 @@ import shutil
 import subprocess
 import sys
 
-ROOT = pathlib.Path(os.path.abspath(__file__)).parent.parent
-sys.path.insert(0, str(ROOT))
-
-from maxctx import compile as compile_lib  # noqa: E402
-from maxctx import config as config_lib  # noqa: E402
-from maxctx import topology as topology_lib  # noqa: E402
-from maxctx.errors import ConfigError, MaxctxError  # noqa: E402
+from maxctx import config as config_lib
+from maxctx import topology as topology_lib
+from maxctx.compile import fit
+from maxctx.compile import step as compile_step
+from maxctx.errors import ConfigError, MaxctxError
 
 MAX_WORKLOAD_NAME = 40   # XPK's limit: the JobSet name also names pods and services
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+  p = argparse.ArgumentParser(prog="python -m maxctx.launch", description=__doc__.split("\n\n")[0],
                               epilog="Arguments after `--` are section.key=value overrides for the recipe.")
   p.add_argument("recipe", help="a run config under configs/, e.g. configs/recipes/llama3.1-8b-14m-ring-tpu7x-128.yml")
   p.add_argument("--cluster", required=True, help="the GKE cluster XPK created")
@@ -69,6 +65,58 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
   return p.parse_args(argv), overrides
 
 
+# Naming rules, so that a value the cloud would refuse (or a shell would misread) stops here, before anything starts.
+# GKE: 1 to 40 characters, lower-case letters, digits and '-', starting with a letter, not ending with '-'.
+CLUSTER = re.compile(r"[a-z](?:[a-z0-9-]{0,38}[a-z0-9])?")
+# A container image reference (the distribution spec's grammar): [registry[:port]/]path[:tag][@digest].
+_HOST = r"(?:[a-zA-Z0-9]|[a-zA-Z0-9][a-zA-Z0-9-]*[a-zA-Z0-9])(?:\.(?:[a-zA-Z0-9]|[a-zA-Z0-9][a-zA-Z0-9-]*[a-zA-Z0-9]))*"
+_PATH = r"[a-z0-9]+(?:(?:[_.]|__|-+)[a-z0-9]+)*"
+IMAGE = re.compile(rf"(?P<name>(?:{_HOST}(?::[0-9]+)?/)?{_PATH}(?:/{_PATH})*)(?::\w[\w.-]{{0,127}})?"
+                   r"(?:@[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9a-fA-F]{32,})?", re.ASCII)
+MAX_IMAGE_NAME = 255
+# Cloud Storage: lower-case letters, digits, '-', '_' and '.', a letter or digit at each end; 3 to 63 characters, or
+# up to 222 in dot-separated parts of at most 63.
+BUCKET = re.compile(r"[a-z0-9](?:[a-z0-9._-]*[a-z0-9])?")
+
+
+def _shown(value: str, most: int = 80) -> str:
+  """A user's value in an error, cut short: the sentence stays one line whatever was passed."""
+  return repr(value if len(value) <= most else value[:most] + "...")
+
+
+def check_names(cluster: str, image: str, output_dir: str | None) -> None:
+  """Refuses a cluster, image or bucket name its service would not accept, naming the rule."""
+  if not CLUSTER.fullmatch(cluster):
+    raise ConfigError(f"--cluster {_shown(cluster)} is not a GKE cluster name; use 1 to 40 lower-case letters, digits "
+                      "and '-', starting with a letter and ending with a letter or digit.")
+  reference = IMAGE.fullmatch(image)
+  if not reference or len(reference["name"]) > MAX_IMAGE_NAME:
+    raise ConfigError(f"--image {_shown(image)} is not a container image reference; write it as "
+                      "[registry[:port]/]path[:tag][@sha256:digest] with a lower-case path, e.g. "
+                      "us-docker.pkg.dev/my-project/maxctx/tpu:latest.")
+  if output_dir is not None:
+    check_bucket(output_dir, "--output-dir")
+
+
+def check_bucket(url: str, where: str) -> None:
+  """Refuses a gs:// URL whose bucket Cloud Storage would not accept (local paths and other schemes pass)."""
+  if not url.startswith("gs://"):
+    return
+  bucket = url.removeprefix("gs://").split("/", 1)[0]
+  parts = bucket.split(".")
+  if not BUCKET.fullmatch(bucket):
+    why = "use lower-case letters, digits, '-', '_' and '.', starting and ending with a letter or digit"
+  elif not 3 <= len(bucket) <= (222 if len(parts) > 1 else 63) or max(map(len, parts)) > 63:
+    why = "a bucket name has 3 to 63 characters (up to 222 in dot-separated parts of at most 63)"
+  elif re.fullmatch(r"[0-9]+(?:\.[0-9]+){3}", bucket):
+    why = "a bucket name cannot be an IP address"
+  elif bucket.startswith("goog") or re.search(r"g[o0][o0]gle", bucket):
+    why = "a bucket name cannot start with 'goog' or contain 'google'"
+  else:
+    return
+  raise ConfigError(f"{where} {_shown(url)} names bucket {_shown(bucket)}, which Cloud Storage does not allow: {why}.")
+
+
 def workload_name(recipe: pathlib.Path, now: datetime.datetime | None = None) -> str:
   """`<recipe>-<MMDD-HHMM>` in the letters Kubernetes allows, short enough for XPK."""
   stamp = (now or datetime.datetime.now()).strftime("%m%d-%H%M")
@@ -76,17 +124,19 @@ def workload_name(recipe: pathlib.Path, now: datetime.datetime | None = None) ->
   return f"{stem[:MAX_WORKLOAD_NAME - len(stamp) - 1].rstrip('-')}-{stamp}"
 
 
-def repo_path(recipe: pathlib.Path) -> str:
-  path = recipe.resolve()
+def image_path(recipe: pathlib.Path) -> str:
+  """The recipe's path in the image, whose working directory holds the repository: configs/<its path there>."""
+  configs = config_lib.CONFIG_DIR.resolve()
   try:
-    return str(path.relative_to(ROOT))
+    return str(pathlib.PurePosixPath("configs", *recipe.resolve().relative_to(configs).parts))
   except ValueError:
-    raise ConfigError(f"recipe {recipe} is outside the repository ({ROOT}); the image holds only the repository, so "
+    raise ConfigError(f"recipe {recipe} is outside configs/ ({configs}); the image holds only the repository, so "
                       "put the recipe under configs/ and rebuild the image.") from None
 
 
 def build_command(args: argparse.Namespace, overrides: list[str]) -> tuple[list[str], str]:
   """(the xpk argv, the train command it runs on every host); raises ConfigError if the recipe cannot run there."""
+  check_names(args.cluster, args.image, args.output_dir)
   recipe = pathlib.Path(args.recipe)
   if not recipe.is_file():
     raise ConfigError(f"recipe {args.recipe} does not exist; pass a file such as configs/recipes/"
@@ -103,11 +153,13 @@ def build_command(args: argparse.Namespace, overrides: list[str]) -> tuple[list[
   if args.output_dir:
     train_overrides.append(f"run.output_dir={args.output_dir.rstrip('/')}/{workload}")
   config = _load(recipe, train_overrides, args.tpu_type, args.num_slices)
+  check_bucket(config.run.output_dir, f"run.output_dir of {recipe}")
   topo = topology_lib.resolve(args.tpu_type or config.compile.topology)
-  _check_fits_slices(config, topo, args.num_slices)
-  _check_fit_is_proven(recipe, config, train_overrides, args.fit_report)
+  fit.check_runs_on(config, topo, args.num_slices)
+  shown = image_path(recipe)
+  fit.check_fit_is_proven(recipe, shown, config, train_overrides, args.fit_report)
 
-  train = ["python", "-m", "maxctx.train", repo_path(recipe), *train_overrides]
+  train = ["python", "-m", "maxctx.train", shown, *train_overrides]
   command = shlex.join(train)
   xpk = [args.xpk, "workload", "create", "--cluster", args.cluster, "--workload", workload,
          "--tpu-type", topo.name, "--num-slices", str(args.num_slices), "--docker-image", args.image,
@@ -122,67 +174,12 @@ def _load(recipe: pathlib.Path, overrides: list[str], tpu_type: str | None, num_
   extra = [f"compile.topology={tpu_type}"] if tpu_type else []
   extra.append(f"compile.num_slices={num_slices}")
   try:
-    return compile_lib.load(str(recipe), overrides + extra)
+    return compile_step.load(str(recipe), overrides + extra)
   except ConfigError as e:
     if "no TPU topology" in str(e):
       raise ConfigError(f"no TPU type for {recipe}: pass --tpu-type (e.g. tpu7x-128) or add compile.topology to the "
                         "recipe.") from None
     raise
-
-
-def _check_fits_slices(config, topo: topology_lib.Topology, num_slices: int) -> None:
-  """The checks `maxctx.train` makes at start-up, made now for the devices the job will have."""
-  from maxctx import trainer
-  try:
-    compile_lib._validate(trainer, config, topo.devices * num_slices, num_slices)
-  except ConfigError as e:
-    hint = " (or pass --dcn-axis)" if "mesh.dcn" in str(e) else ""
-    raise ConfigError(f"the recipe cannot run on {num_slices} × {topo.name} ({topo.devices * num_slices} devices): "
-                      f"{str(e).rstrip('.')}{hint}.") from None
-
-
-def _check_fit_is_proven(recipe: pathlib.Path, config, overrides: list[str], fit_report: str | None) -> None:
-  """Refuses a launch whose step no compile has shown to fit: one that differs from the recipe's own compile section
-  (`compile.topology`, `compile.num_slices`: what the README's table compiled) without a fit report for it."""
-  target = compile_lib.step_key(config)
-  where = f"{config.compile.num_slices} × {target['topology']}"
-  if fit_report is None:
-    own = config_lib.load(str(recipe))
-    if own.compile.topology:
-      try:
-        difference = compile_lib.first_difference(compile_lib.step_key(own), target)
-      except ConfigError:   # the recipe's mesh does not fit its own topology: nothing of it was compiled
-        difference = ("compile.topology", own.compile.topology, target["topology"])
-      if difference is None:
-        return
-      key, was, now = difference
-      why = (f"recipe {recipe} was compiled for {own.compile.num_slices} × {own.compile.topology} (its compile "
-             f"section), not for {where}" if key in ("topology", "num_slices") else
-             f"this launch changes {key} of recipe {recipe} from {was} to {now}")
-    else:
-      why = f"recipe {recipe} has no compile.topology, so no compile has checked it"
-    check = shlex.join(["python", "-m", "maxctx.compile", repo_path(recipe), f"compile.topology={target['topology']}",
-                        f"compile.num_slices={config.compile.num_slices}", *overrides, "--json"])
-    raise ConfigError(f"{why}, so nothing shows that it fits in {where}'s HBM; check it with `{check} > fit.json` "
-                      "(minutes on one CPU core, no TPU) and pass --fit-report fit.json.")
-  try:
-    report = compile_lib.CompileReport.from_json(json.loads(pathlib.Path(fit_report).read_text()))
-  except (OSError, ValueError, TypeError) as e:
-    raise ConfigError(f"--fit-report {fit_report} is not a report of `python -m maxctx.compile ... --json` ({e}); "
-                      "write it with that command.") from None
-  if report.step is None:
-    raise ConfigError(f"--fit-report {fit_report} comes from a maxctx.compile that did not record the step it "
-                      "compiled; compile again with this version and pass the new report.")
-  if difference := compile_lib.first_difference(report.step, target):
-    key, was, now = difference
-    raise ConfigError(f"--fit-report {fit_report} was compiled with {key}={was}, but this launch has {key}={now}; "
-                      "compile the launched step (the same recipe, --tpu-type, --num-slices and overrides) and pass "
-                      "that report.")
-  if not report.fits:
-    over = f" by {report.over_bytes / 2**30:.1f} GiB" if report.over_bytes else ""
-    raise ConfigError(f"--fit-report {fit_report} says the step does not fit in {where}'s HBM{over}; choose a "
-                      "larger slice, more slices or a lighter config (python -m maxctx.bench --topology compares "
-                      "them).")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,19 +3,13 @@ why (or, when nothing fits, what came closest), for the measured and the estimat
 
 from __future__ import annotations
 
-from typing import Any
-
-from maxctx.bench import plan as cases_lib
+from maxctx.bench import cases as cases_lib
 from maxctx.bench import report
+from maxctx.plan.candidates import Candidate
+from maxctx.plan.ranking import chosen
 
-# A length's candidates, ranked: (a maxctx.plan.Candidate, its record). Not imported from there: maxctx.plan imports
-# this module.
-Rows = list[tuple[Any, report.Record]]
-
-
-def chosen(rec: report.Record) -> bool:
-  """Whether a candidate's record can be the plan: it ran (measured) or it fits (estimated)."""
-  return rec.status == "ok" or (rec.status == "estimate" and bool(rec.fits))
+# A length's candidates, ranked: each with its record.
+Rows = list[tuple[Candidate, report.Record]]
 
 
 def _mib(n: int | None) -> str:

@@ -30,17 +30,17 @@ Not modelled: the compiler's own scheduling (two phases' or layers' buffers aliv
 and the kernels' score blocks (blockwise: a few hundred MB at 8B); which is why the model is checked against compiled
 steps (tests/test_plan_model.py, README) and the compile, not the model, decides fit.
 
-Collective bytes per device per step, counted as maxctx.hlo counts a compiled step (all-gather b·(G−1), reduce-scatter
-b·(G−1)/G, all-reduce 2b·(G−1)/G): the strategy's attention traffic (Strategy.traffic, forward twice where remat
-recomputes it, three times in layer groups) and ZeRO-3's: each layer's weights gathered in the compute dtype for the
-forward and again for the backward (once, where remat is `none` and the forward keeps them; once more in layer groups,
-whose backward reruns the group's forward), their gradient reduce-scattered, and the
-embedding and head likewise once per step. On TPU the compiler lowers these gathers as all-reduces of the whole
+Collective bytes per device per step, counted as maxctx.compile.hlo counts a compiled step (all-gather b·(G−1),
+reduce-scatter b·(G−1)/G, all-reduce 2b·(G−1)/G): the strategy's attention traffic (Strategy.traffic, forward twice
+where remat recomputes it, three times in layer groups) and ZeRO-3's: each layer's weights gathered in the compute
+dtype for the forward and again for the backward (once, where remat is `none` and the forward keeps them; once more in
+layer groups, whose backward reruns the group's forward), their gradient reduce-scattered, and the embedding and head
+likewise once per step. On TPU the compiler lowers these gathers as all-reduces of the whole
 (zero-padded) array, which count twice the bytes (measured: README).
 
 Step time: max(compute, HBM, network) as maxctx.bench.roofline states it (perfect overlap), with compute from the
-analytic model FLOPs plus the forward FLOPs remat runs again (`recomputed_flops`), HBM from the estimated memory,
-network from the collective bytes over the chip's links.
+analytic model FLOPs plus the forward FLOPs remat runs again (`roofline.recomputed_flops`), HBM from the estimated
+memory, network from the collective bytes over the chip's links.
 """
 
 from __future__ import annotations
@@ -51,8 +51,9 @@ from maxctx import attention
 from maxctx import metrics
 from maxctx import topology as topology_lib
 from maxctx import trainer as trainer_lib
-from maxctx.config import Config
+from maxctx.bench import roofline
 from maxctx.chunks import divisor_at_most
+from maxctx.config import Config
 
 GB = 1e9
 _BYTES = {"float32": 4, "bfloat16": 2}
@@ -164,7 +165,7 @@ def collective_bytes(config: Config, sizes: dict[str, int], platform: str = "tpu
     problem = trainer_lib.attention_problem(config, mesh, platform)
     traffic = attention.get(config.attention.strategy).traffic(problem, rows, m.head_dim, act)
     if traffic is not None:
-      runs = 1 if m.remat in ("none", "save_attention_out") else _forward_runs(m)
+      runs = 1 if m.remat in ("none", "save_attention_out") else roofline.forward_runs(m)
       out.update(traffic.step(m.n_layers, forward_runs=runs))
   g = mesh["fsdp"] * mesh["context"]
   params = metrics.param_count(m)
@@ -172,7 +173,7 @@ def collective_bytes(config: Config, sizes: dict[str, int], platform: str = "tpu
   if g > 1:
     vocab_params = 2 * m.vocab_size * m.d_model
     layer_params = (params - vocab_params) / tp
-    gathers = 1 if m.remat == "none" else _forward_runs(m)
+    gathers = 1 if m.remat == "none" else roofline.forward_runs(m)
     # An all-gather sends (G-1)/G of the whole array; on TPU it is an all-reduce of the whole array, twice that.
     gather = (g - 1) / g * (2 if platform == "tpu" else 1)
     zero += (layer_params * act * gathers + vocab_params / 2 / tp * (act + pb)) * gather
@@ -184,39 +185,8 @@ def collective_bytes(config: Config, sizes: dict[str, int], platform: str = "tpu
   return out
 
 
-def _forward_runs(m) -> int:
-  """How often a layer's forward runs per step under `full` or `full_offload`: once, and again in its backward; with
-  model.remat_group > 1 once more, where its group's backward reruns the group to recover its layers' inputs (the
-  scan reruns every layer of the group, the last one's output unused: maxctx.model.transformer.grouped_layers)."""
-  return 3 if m.remat_group > 1 else 2
-
-
-def recomputed_flops(config: Config, sizes: dict[str, int] | None = None) -> float:
-  """The forward FLOPs that remat runs again in the backward: the layers' whole forward under `full` and
-  `full_offload` (twice with model.remat_group > 1: `_forward_runs`); their projections and MLP under
-  `save_attention_out` (attention's output and softmax statistics are kept, so attention itself is not rerun);
-  attention alone under `save_dots` (its output is no dot, and the output projection's gradient needs it); nothing
-  under `none`. A chunked MLP (model.mlp_chunk below the tokens per device of mesh `sizes`) rematerializes each step,
-  so under `none` its gate and up projections run again; under the other policies it costs nothing more (counted: the
-  dot FLOPs of the compiled CPU step, loops' trip counts included, are the same chunked and not under them, and
-  greater by exactly those two projections under `none`)."""
-  m, d = config.model, config.data
-  tokens = d.batch_size * d.seq_len
-  weights = 2.0 * (metrics.matmul_params(m) - m.d_model * m.vocab_size) * tokens
-  attention_core = (metrics.flops_per_step(m, d.batch_size, d.seq_len) - 6.0 * metrics.matmul_params(m) * tokens) / 3
-  forward = weights + attention_core
-  again = (_forward_runs(m) - 1) * forward
-  out = {"full": again, "full_offload": again, "save_attention_out": weights, "save_dots": attention_core,
-         "none": 0.0}[m.remat]
-  local = d.seq_len // (sizes or {}).get("context", 1)
-  if m.remat == "none" and 0 < m.mlp_chunk < local:
-    out += 2.0 * 2 * m.d_model * m.d_ff * m.n_layers * tokens
-  return out
-
-
 def estimate(config: Config, sizes: dict[str, int], topo: topology_lib.Topology) -> Estimate:
   """The analytic estimate of `config` on mesh `sizes` of slice `topo`."""
-  from maxctx.bench import roofline   # the chip's figures and the roofline's rules live there
   chip = roofline.chip_for(topo)
   per_chip = topo.generation.devices_per_chip
   parts, host = memory(config, sizes, "tpu")
@@ -227,7 +197,7 @@ def estimate(config: Config, sizes: dict[str, int], topo: topology_lib.Topology)
   m = config.model
   step_flops = metrics.flops_per_step(m, config.data.batch_size, config.data.seq_len)
   peak = chip.bf16_tflops * 1e12 / per_chip
-  compute_s = (step_flops + recomputed_flops(config, sizes)) / devices / peak
+  compute_s = (step_flops + roofline.recomputed_flops(config, sizes)) / devices / peak
   memory_s = 2 * sum(parts.values()) / (chip.hbm_gb_s * GB / per_chip)   # the roofline's argument + output + 2 × temp
   network_s = roofline.bytes_per_link(coll, chip, per_chip) / (chip.link_gb_s * GB)
   return Estimate(parts, host, coll, compute_s, memory_s, network_s, step_flops, peak * devices)

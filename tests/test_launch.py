@@ -1,8 +1,8 @@
-"""scripts/launch_xpk.py builds the `xpk workload create` command for every recipe; the images install what
-pyproject.toml declares; the JobSet example asks for as many hosts as its slice has."""
+"""python -m maxctx.launch builds the `xpk workload create` command for every recipe, refusing names GKE, the registry
+or Cloud Storage would not accept and steps no compile has shown to fit; the images install what pyproject.toml
+declares; the JobSet example asks for as many hosts as its slice has."""
 
 import dataclasses
-import importlib.util
 import json
 import pathlib
 import re
@@ -12,18 +12,15 @@ import tomllib
 import pytest
 import yaml
 
-from maxctx import compile as compile_lib
+from maxctx.compile import step as compile_step
+from maxctx.compile.report import CompileReport
+from maxctx import launch
 from maxctx import topology
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RECIPES = sorted((ROOT / "configs" / "recipes").glob("*.yml"))
 V7_14M = "configs/recipes/llama3.1-8b-14m-ring-tpu7x-128.yml"   # the tpu7x-128 recipe the tests launch
 CHIPS_PER_HOST = 4   # v5p and v7 hosts
-
-spec = importlib.util.spec_from_file_location("launch_xpk", ROOT / "scripts" / "launch_xpk.py")
-launch_xpk = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(launch_xpk)
-
 
 def _recipe_topology(path: pathlib.Path) -> str:
   return yaml.safe_load(path.read_text())["compile"]["topology"]
@@ -36,7 +33,7 @@ def _flags(argv: list[str]) -> dict[str, str]:
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
 def test_dry_run_prints_the_command(recipe, capsys):
   rel = str(recipe.relative_to(ROOT))
-  rc = launch_xpk.main([rel, "--cluster", "pod-a", "--image", "us-docker.pkg.dev/p/maxctx/tpu:v1", "--dry-run",
+  rc = launch.main([rel, "--cluster", "pod-a", "--image", "us-docker.pkg.dev/p/maxctx/tpu:v1", "--dry-run",
                         "--workload", "w1", "--output-dir", "gs://bucket/runs", "--", "run.steps=7"])
   assert rc == 0
   argv = shlex.split(capsys.readouterr().out.strip())
@@ -53,10 +50,10 @@ def _fit_report(tmp_path, recipe: str, overrides: list[str], fits: bool = True) 
   """A `maxctx.compile --json` report for `recipe` with `overrides` that says `fits`: the fields the launcher reads
   are the compile's own (`step_key`); the rest are placeholders (a real report's round trip is tested in
   test_compile)."""
-  config = compile_lib.load(recipe, overrides)
-  tree = {f.name: 0 for f in dataclasses.fields(compile_lib.CompileReport)
+  config = compile_step.load(recipe, overrides)
+  tree = {f.name: 0 for f in dataclasses.fields(CompileReport)
           if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
-  tree.update(step=compile_lib.step_key(config), fits=fits, over_bytes=0 if fits else 3 * 2**30)
+  tree.update(step=compile_step.step_key(config), fits=fits, over_bytes=0 if fits else 3 * 2**30)
   path = tmp_path / "fit.json"
   path.write_text(json.dumps(tree))
   return str(path)
@@ -65,7 +62,7 @@ def _fit_report(tmp_path, recipe: str, overrides: list[str], fits: bool = True) 
 def test_multislice_sets_the_dcn_axis(tmp_path, capsys):
   recipe = V7_14M
   fit = _fit_report(tmp_path, recipe, ["compile.num_slices=2", "mesh.dcn.context=2"])
-  assert launch_xpk.main([recipe, "--cluster", "c", "--image", "i", "--dry-run", "--tpu-type", "tpu7x-128",
+  assert launch.main([recipe, "--cluster", "c", "--image", "i", "--dry-run", "--tpu-type", "tpu7x-128",
                           "--num-slices", "2", "--dcn-axis", "context", "--project", "p", "--zone", "z",
                           "--fit-report", fit]) == 0
   flags = _flags(shlex.split(capsys.readouterr().out.strip()))
@@ -81,7 +78,7 @@ def test_multislice_sets_the_dcn_axis(tmp_path, capsys):
 ])
 def test_refuses_what_cannot_run(argv, words, capsys):
   recipe = V7_14M
-  assert launch_xpk.main([recipe, "--cluster", "c", "--image", "i", "--dry-run", *argv]) == 2
+  assert launch.main([recipe, "--cluster", "c", "--image", "i", "--dry-run", *argv]) == 2
   assert words in capsys.readouterr().err
 
 
@@ -99,7 +96,7 @@ LAUNCH = [V7_14M, "--cluster", "c", "--image", "i", "--dry-run"]
 ])
 def test_a_launch_no_compile_has_shown_to_fit_is_refused(argv, words, capsys):
   """Acceptance 7 of the planner issue: launching checks fit, not only shape."""
-  assert launch_xpk.main([*LAUNCH, *argv]) == 2
+  assert launch.main([*LAUNCH, *argv]) == 2
   err = capsys.readouterr().err
   assert all(w in err for w in words), err
   assert err.count("\n") == 1 and err.startswith("error: ")     # one sentence
@@ -107,7 +104,7 @@ def test_a_launch_no_compile_has_shown_to_fit_is_refused(argv, words, capsys):
 
 def test_a_fit_report_for_the_launched_step_lets_it_launch(tmp_path, capsys):
   fit = _fit_report(tmp_path, V7_14M, ["compile.topology=v5p-128", "model.remat=full_offload"])
-  assert launch_xpk.main([*LAUNCH, "--tpu-type", "v5p-128", "--fit-report", fit, "--",
+  assert launch.main([*LAUNCH, "--tpu-type", "v5p-128", "--fit-report", fit, "--",
                           "model.remat=full_offload", "run.steps=3"]) == 0
   assert _flags(shlex.split(capsys.readouterr().out))["--tpu-type"] == "v5p-128"
 
@@ -121,20 +118,20 @@ def test_a_fit_report_for_the_launched_step_lets_it_launch(tmp_path, capsys):
 ])
 def test_a_fit_report_that_does_not_prove_the_launch_is_refused(tmp_path, capsys, report_overrides, fits, words):
   fit = _fit_report(tmp_path, V7_14M, report_overrides, fits=fits)
-  assert launch_xpk.main([*LAUNCH, "--tpu-type", "v5p-128", "--fit-report", fit]) == 2
+  assert launch.main([*LAUNCH, "--tpu-type", "v5p-128", "--fit-report", fit]) == 2
   assert words in capsys.readouterr().err
 
 
 def test_a_fit_report_that_is_not_one_is_refused(tmp_path, capsys):
   bad = tmp_path / "fit.json"
   bad.write_text('{"fits": true}')
-  assert launch_xpk.main([*LAUNCH, "--tpu-type", "v5p-128", "--fit-report", str(bad)]) == 2
+  assert launch.main([*LAUNCH, "--tpu-type", "v5p-128", "--fit-report", str(bad)]) == 2
   assert "is not a report of `python -m maxctx.compile ... --json`" in capsys.readouterr().err
 
 
 def test_workload_name_is_kubernetes_safe():
   import datetime
-  name = launch_xpk.workload_name(pathlib.Path("configs/recipes/llama3.1-8b-14m-usp-tpu7x-128.yml"),
+  name = launch.workload_name(pathlib.Path("configs/recipes/llama3.1-8b-14m-usp-tpu7x-128.yml"),
                                   datetime.datetime(2026, 1, 2, 3, 4))
   assert re.fullmatch(r"[a-z]([a-z0-9-]*[a-z0-9])?", name) and len(name) <= 40 and name.endswith("0102-0304")
 
@@ -161,3 +158,45 @@ def test_jobset_example_matches_its_slice():
   assert pod["containers"][0]["resources"]["limits"]["google.com/tpu"] == CHIPS_PER_HOST
   command = pod["containers"][0]["command"]
   assert command[:3] == ["python", "-m", "maxctx.train"] and (ROOT / command[3]).is_file()
+
+
+@pytest.mark.parametrize("flag, value, words", [
+    ("--cluster", "pod-a; rm -rf ~", "is not a GKE cluster name"),
+    ("--cluster", "Pod_A", "is not a GKE cluster name"),
+    ("--cluster", "pod-", "ending with a letter or digit"),
+    ("--cluster", "p" * 41, "1 to 40"),
+    ("--cluster", "$(id)" * 2000, "is not a GKE cluster name"),       # echoed as a short excerpt only
+    ("--image", "us-docker.pkg.dev/p/maxctx/tpu:v1 && curl evil", "is not a container image reference"),
+    ("--image", "$(whoami)/tpu:v1", "is not a container image reference"),
+    ("--image", "us-docker.pkg.dev/P/Maxctx:v1", "with a lower-case path"),
+    ("--image", "maxctx:" + "t" * 129, "is not a container image reference"),
+    ("--output-dir", "gs://my bucket/runs", "names bucket 'my bucket', which Cloud Storage does not allow"),
+    ("--output-dir", "gs://Runs/x", "lower-case letters"),
+    ("--output-dir", "gs://ab/x", "3 to 63 characters"),
+    ("--output-dir", f"gs://{'b' * 64}/x", "3 to 63 characters"),
+    ("--output-dir", "gs://192.168.1.1/x", "IP address"),
+    ("--output-dir", "gs://google-runs/x", "'google'"),
+    ("--output-dir", "gs://goog-runs/x", "'goog'"),
+])
+def test_names_the_cloud_would_refuse_stop_the_launch(flag, value, words, capsys):
+  """Issue 37: cluster, image and bucket names holding shell metacharacters or breaking their service's rules are
+  refused in one short sentence before anything else (a repeated flag's last value is the one used)."""
+  assert launch.main([*LAUNCH, flag, value]) == 2
+  err = capsys.readouterr().err
+  assert words in err, err
+  assert err.count("\n") == 1 and err.startswith("error: ") and len(err) < 400, err
+
+
+@pytest.mark.parametrize("flag, value", [
+    ("--cluster", "a"), ("--cluster", "pod-2-" + "x" * 33),
+    ("--image", "maxctx:tpu"), ("--image", "localhost:5000/team/maxctx_tpu/x-y:v1.2-rc_3"),
+    ("--image", f"us-docker.pkg.dev/my-project/maxctx/tpu@sha256:{'a1' * 32}"),
+    ("--output-dir", "gs://my-bucket_2/runs"), ("--output-dir", "gs://runs.example.com/x"), ("--output-dir", "/tmp/r"),
+])
+def test_names_the_cloud_accepts_launch(flag, value, capsys):
+  assert launch.main([*LAUNCH, flag, value]) == 0, capsys.readouterr().err
+  flags = _flags(shlex.split(capsys.readouterr().out))
+  if flag == "--output-dir":
+    assert f"run.output_dir={value}/" in flags["--command"]
+  else:
+    assert flags[{"--image": "--docker-image"}.get(flag, flag)] == value

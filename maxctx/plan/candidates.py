@@ -1,8 +1,8 @@
 """What the planner tries: a candidate is a strategy, its context (and ulysses) degree, a remat policy (with its layer
 groups), an MLP chunk and (where the plan varies it) a loss chunk, with the config `maxctx.trainer.validate` checked
 (or its refusal); `candidates` lists every one for a length, and `remat_flag`, `remat_group_flag`, `mlp_chunk_flag`
-and `loss_chunk_flag` read maxctx.plan's flags. maxctx.plan measures or estimates them, maxctx.plan_auto resolves
-`auto` with them."""
+and `loss_chunk_flag` read maxctx.plan's flags. maxctx.plan.measured and .estimated measure or estimate them,
+maxctx.plan.auto resolves `auto` with them."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import typing
 from typing import Any
 
 from maxctx import mesh as mesh_lib
-from maxctx.bench import plan as cases_lib
+from maxctx.bench import cases as cases_lib
 from maxctx.config import MESH_AXES, Config, ModelConfig
 from maxctx.errors import ConfigError
 from maxctx.model.transformer import GROUPED_REMATS

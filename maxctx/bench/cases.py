@@ -18,7 +18,7 @@ from maxctx import mesh as mesh_lib
 from maxctx import trainer as trainer_lib
 from maxctx.config import Config
 from maxctx.errors import ConfigError
-from maxctx.eval.sweep import parse_lengths
+from maxctx.lengths import parse_lengths
 
 NONE = "none"
 DEFAULT_STRATEGIES = "none,all_gather,ulysses,ring,usp"

@@ -1,4 +1,4 @@
-"""`attention.strategy: auto` and `model.remat: auto`: `maxctx.train` asks the planner (measured mode, maxctx.plan)
+"""`attention.strategy: auto` and `model.remat: auto`: `maxctx.train` asks the planner (measured mode)
 for a strategy and split, a remat policy or both before it validates the run, and a resumed run keeps the plan its run
 directory's config.yml saved; `maxctx.compile` asks the planner for its TPU slice (topology mode: the cost model,
 then compiles until one fits)."""
@@ -9,20 +9,24 @@ import dataclasses
 import logging
 import pathlib
 
+import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from maxctx import attention
 from maxctx import config as config_lib
 from maxctx import mesh as mesh_lib
-from maxctx import plan as plan_lib
-from maxctx import plan_candidates
-from maxctx import plan_tables
 from maxctx import resume_match
+from maxctx import topology as topology_lib
 from maxctx import trainer as trainer_lib
-from maxctx.bench import plan as cases_lib
-from maxctx.compile_report import CompileReport
+from maxctx.bench import aot
+from maxctx.bench import cases as cases_lib
+from maxctx.compile.report import CompileReport
 from maxctx.config import MESH_AXES, Config
 from maxctx.errors import ConfigError
+from maxctx.plan import candidates as plan_candidates
+from maxctx.plan import estimated, measured, tables
+from maxctx.plan.ranking import chosen, rank
 
 log = logging.getLogger("maxctx.plan")
 
@@ -83,7 +87,6 @@ def resolve(config: Config, devices, saved: pathlib.Path | None = None) -> Confi
   taken; with several processes, process 0's measurement decides for all."""
   if not is_auto(config):
     return config
-  import jax
   config_lib.check(config)   # a key no run can use is refused once, not as every candidate's refusal
   what = _what(config)
   n, slices = len(devices), mesh_lib.num_slices_of(devices)
@@ -100,7 +103,7 @@ def resolve(config: Config, devices, saved: pathlib.Path | None = None) -> Confi
   level = data_log.level
   data_log.setLevel(logging.WARNING)   # each candidate's pipeline would log its set-up again
   try:
-    ranked = plan_lib.rank(cands, plan_lib.measure_all(cands, AUTO_STEPS))
+    ranked = rank(cands, measured.measure_all(cands, AUTO_STEPS))
   finally:
     data_log.setLevel(level)
   ok = [(c, r) for c, r in ranked if r.status == "ok"]
@@ -109,7 +112,6 @@ def resolve(config: Config, devices, saved: pathlib.Path | None = None) -> Confi
                       f"{ranked[0][1].reason}; name a strategy, a mesh and a remat policy instead.")
   best = ok[0][0]
   if jax.process_count() > 1:   # timings differ between processes; all must run process 0's choice
-    from jax.experimental import multihost_utils
     best = cands[int(multihost_utils.broadcast_one_to_all(np.int32(cands.index(best))))]
   rec = dict(ranked)[best]
   others = [(c, r) for c, r in ok if c is not best]
@@ -129,8 +131,6 @@ def resolve_for_slice(config: Config, out: pathlib.Path) -> tuple[Config, Compil
   the chosen candidate's compile report): the candidates of `_candidates`, estimated by the cost model and compiled in
   its order as `python -m maxctx.plan --topology` does (AUTO_COMPILES, then only until one fits), compiles cached
   under `out`. Nothing fitting is a ConfigError naming the candidate that came closest."""
-  from maxctx import topology as topology_lib
-  from maxctx.bench import aot
   config_lib.check(config)
   what = _what(config)
   topo = topology_lib.resolve(config.compile.topology)
@@ -143,13 +143,13 @@ def resolve_for_slice(config: Config, out: pathlib.Path) -> tuple[Config, Compil
                       f"{cands[0].label}: {cands[0].case.refused}")
   log.info("%s: estimating %d candidates (%d refused) for %s, compiling the best %d (cached in %s)", what,
            len(valid), len(cands) - len(valid), topo.name, AUTO_COMPILES, out)
-  ranked = plan_lib.rank(cands, plan_lib.estimate_all(cands, n, slices, out, [], True, AUTO_COMPILES))
-  if not plan_tables.chosen(ranked[0][1]):
+  ranked = rank(cands, estimated.estimate_all(cands, n, slices, out, [], True, AUTO_COMPILES))
+  if not chosen(ranked[0][1]):
     # Not maxctx.plan's --remat; and nothing to suggest where `model.remat: auto` tried every policy.
     keeps_less = None if REMAT in planned_keys(config) else "model.remat: full or full_offload in the run file"
-    raise ConfigError(f"{what} on {topo.name}: {plan_tables.verdict(ranked, keeps_less)}")
+    raise ConfigError(f"{what} on {topo.name}: {tables.verdict(ranked, keeps_less)}")
   best = ranked[0][0]
-  log.info("%s: %s", what, plan_tables.verdict(ranked).replace("**", ""))
+  log.info("%s: %s", what, tables.verdict(ranked).replace("**", ""))
   report, _ = aot.report_for(best.case, mesh_lib.axis_sizes(best.case.config.mesh, n, slices), out, [], False)
   # The report of the plan's own compile, named for this run rather than for the planner's case.
   return _apply(config, best), dataclasses.replace(report, config=config.run.name)
