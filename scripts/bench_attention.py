@@ -1,5 +1,6 @@
 """Context-parallel attention: forward and forward+backward median time, TFLOP/s and per-device temp memory, per
-strategy and kernel, with a baseline row: the `ringattention` PyPI package (0.1.2), or cuDNN's fused attention.
+strategy and kernel, with a baseline row: the `ringattention` PyPI package (0.1.2), cuDNN's fused attention, or JAX's
+splash attention (TPU).
 
   python scripts/bench_attention.py                                  # B=1, T=8192, N=K=8, H=64, causal, f32, context=8
   python scripts/bench_attention.py --strategies ring usp --kernels blockwise --json out.json
@@ -8,6 +9,8 @@ strategy and kernel, with a baseline row: the `ringattention` PyPI package (0.1.
   python scripts/bench_attention.py --kernel flash --head-dim 128 --seq-len 8192 --no-baseline
   python scripts/bench_attention.py --kernel flash --baseline cudnn --context 1 --strategies all_gather \
       --batch 1 --heads 32 --kv-heads 8 --head-dim 128 --seq-len 131072 --dtype bfloat16 --documents 64   # one GPU
+  python scripts/bench_attention.py --kernels flash blockwise --baseline splash --context 1 --strategies all_gather \
+      --batch 1 --heads 32 --kv-heads 8 --head-dim 128 --seq-len 131072 --dtype bfloat16 --documents 16   # one TPU
 
 On a CPU host it fakes `--context` devices (XLA_FLAGS) before JAX starts. Forward+backward is the vjp with a random
 output cotangent; temp memory is its compiled `memory_analysis().temp_size_in_bytes` per device. Timings belong
@@ -17,7 +20,9 @@ TFLOP/s count the pairs the mask shows (causal: T(T+1)/2 per row and head; with 
 triangle) at 4·H FLOPs each forward and 3.5× that forward+backward (FlashAttention-2's convention: the backward's five
 products, one of them the recomputed scores); the cuDNN row is causal without documents, so `--documents` adds rows
 of ours with packed documents next to rows without. On one GPU, `--context 1 --strategies all_gather` is the kernel
-alone.
+alone. Splash (jax.experimental.pallas.ops.tpu.splash_attention) takes a static mask over token indices plus
+segment ids, which is our mask only in the natural layout with each document contiguous and no padding, as here; so
+it is timed on one device (the kernel alone), causal and with `--documents`, and refused under zigzag.
 A kernel off the platforms it is made for (flash, for TPUs and NVIDIA GPUs, on a CPU) runs in the Pallas interpreter:
 its row is marked "interpreted", its times measure the interpreter, not the kernel, and only its results and memory
 mean anything; its speed needs the hardware it is for.
@@ -55,9 +60,10 @@ def parse_args(argv=None):
                  "a TPU, 64 on a GPU)")
   p.add_argument("--load-balance", action="store_true", help="zigzag layout (ours only; the baseline cannot)")
   p.add_argument("--iters", type=int, default=5, help="timed calls per function; 0 compiles and prints memory only")
-  p.add_argument("--baseline", choices=["ringattention", "cudnn"], default="ringattention",
-                 help="ringattention 0.1.2's JAX ring (the `bench` extra), or jax.nn.dot_product_attention with "
-                      "implementation='cudnn' and is_causal=True (XLA's implementation off a GPU)")
+  p.add_argument("--baseline", choices=["ringattention", "cudnn", "splash"], default="ringattention",
+                 help="ringattention 0.1.2's JAX ring (the `bench` extra), jax.nn.dot_product_attention with "
+                      "implementation='cudnn' and is_causal=True (XLA's implementation off a GPU), or splash "
+                      "attention, causal with segment ids (the Pallas interpreter off a TPU)")
   p.add_argument("--no-baseline", action="store_true")
   p.add_argument("--documents", type=int, default=0,
                  help="also time our rows with each row packed with this many documents of random lengths")
@@ -184,6 +190,15 @@ def main(argv=None) -> list[dict]:
       on_gpu = jax.default_backend() == "gpu"
       rows.append(prepare("cuDNN fused" if on_gpu else "XLA (cuDNN off a GPU)", BASELINE_KERNEL,
                           cudnn_baseline(mesh, "cudnn" if on_gpu else None), causal))
+  elif args.baseline == "splash":
+    if args.context != 1 or args.load_balance:
+      print("splash baseline skipped: its mask is static over token indices, so it needs --context 1 and the natural "
+            "layout")
+    else:
+      on_tpu = jax.default_backend() == "tpu"
+      for suffix, seg_pos in id_sets.items():
+        rows.append(prepare("splash" + suffix, BASELINE_KERNEL, splash_baseline(mesh, t, n, h, not on_tpu), seg_pos))
+        rows[-1]["interpreted"] = not on_tpu
   elif args.load_balance or k != n:
     print("ringattention baseline skipped: it needs the natural layout and N = K")
   else:
@@ -235,6 +250,39 @@ def cudnn_baseline(mesh, implementation):
   def attend(q, k, v, segment_ids, positions):
     del segment_ids, positions
     return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
+
+  return attend
+
+
+def splash_baseline(mesh, length: int, n_heads: int, head_dim: int, interpret: bool):
+  """JAX's splash attention (Pallas, TPU), causal over token indices with segment ids: our mask for contiguous
+  documents in the natural layout. It takes [N, T, H] per row and does not scale the scores, so q is scaled first."""
+  import functools
+
+  import jax
+  from jax.experimental.pallas.ops.tpu import splash_attention as splash
+  from jax.sharding import PartitionSpec as P
+
+  from maxctx import sharding
+
+  block = min(512, length)
+  blocks = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
+                             block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
+  kernel = splash.make_splash_mha_single_device(splash.MultiHeadMask([splash.CausalMask((length, length))] * n_heads),
+                                                block_sizes=blocks, interpret=interpret)
+  heads = P(sharding.BATCH_AXES, sharding.SEQ_AXIS, sharding.HEAD_AXIS, None)
+  tokens = P(sharding.BATCH_AXES, sharding.SEQ_AXIS)
+
+  def one_row(q_NTH, k_KTH, v_KTH, segment_ids):
+    return kernel(q_NTH, k_KTH, v_KTH, segment_ids=splash.SegmentIds(q=segment_ids, kv=segment_ids))
+
+  @functools.partial(jax.shard_map, mesh=mesh, in_specs=(heads, heads, heads, tokens, tokens), out_specs=heads,
+                     check_vma=False)
+  def attend(q, k, v, segment_ids, positions):
+    del positions   # contiguous documents in the natural layout: index order is position order
+    q = q * head_dim**-0.5
+    out_BNTH = jax.vmap(one_row)(*(x.transpose(0, 2, 1, 3) for x in (q, k, v)), segment_ids)
+    return out_BNTH.transpose(0, 2, 1, 3)
 
   return attend
 

@@ -6,8 +6,9 @@
 #      H=128 and T = 32,768 and 131,072: TFLOP/s and tokens/s of flash without and with 16 packed documents, next to
 #      cuDNN's fused attention (jax.nn.dot_product_attention, implementation="cudnn", is_causal=True, no documents).
 #      Targets: flash ≥ 0.7 × cuDNN's TFLOP/s without documents; with documents, at least the tokens/s without.
-#   2. python -m maxctx.train configs/recipes/gpu/llama3.1-8b-20l-128k-h200.yml for 5 steps: step time, MFU (peak from
-#      maxctx/chips.py) and peak device memory of the last step. Target: MFU ≥ 40%.
+#   2. python -m maxctx.train configs/recipes/gpu/llama3.1-8b-20l-128k-h200.yml attention.kernel=flash (the recipe's
+#      default is blockwise) for 5 steps: step time, MFU (peak from maxctx/chips.py) and peak device memory of the
+#      last step. Target: MFU ≥ 40%.
 # The machine's Python must hold JAX with CUDA (>= 0.11), flax, optax and orbax; the rest of maxctx's needs travel as
 # wheels in .whl/ (bash scripts/gpu_wheels.sh, where pip reaches PyPI), installed here into a scratch folder.
 # Each stage has a time limit, so the script ends in time whatever a stage does; a stage that fails is a row saying so.
@@ -56,7 +57,7 @@ for T in $SEQ_LENS; do
 done
 rm -rf "$OUT/train"
 timeout 240 "$PY" -m maxctx.train configs/recipes/gpu/llama3.1-8b-20l-128k-h200.yml run.steps=5 \
-  run.output_dir="$OUT/train" "${TRAIN_EXTRA[@]}" > "$OUT/train.log" 2>&1
+  attention.kernel=flash run.output_dir="$OUT/train" "${TRAIN_EXTRA[@]}" > "$OUT/train.log" 2>&1
 echo "train: exit $? (log: $OUT/train.log)"
 
 "$PY" - "$OUT" $SEQ_LENS <<'PYEOF'

@@ -68,16 +68,17 @@ def test_gpu_blocks_are_powers_of_two_that_divide_the_length():
 
 
 def test_gpu_recipes_validate_for_their_gpus():
-  """The GPU recipes pass every check `maxctx.train` makes before compiling, on the GPU counts they name."""
+  """The GPU recipes pass every check `maxctx.train` makes before compiling, on the GPU counts they name, with their
+  default kernel (blockwise: flash has not run on a GPU yet) and with flash, one key away, as gpu_check.sh runs it."""
   from maxctx import config, trainer
   root = pathlib.Path(config.CONFIG_DIR) / "recipes" / "gpu"
   counts = {"llama3.1-8b-20l-128k-h200": 1, "llama3.1-8b-1m-ring-h200x8": 8}
   assert sorted(p.stem for p in root.glob("*.yml")) == sorted(counts)
   for stem, gpus in counts.items():
-    c = config.load(root / f"{stem}.yml")
-    assert c.attention.kernel == "flash"
-    sizes = trainer.validate(c, gpus, platform="gpu")
-    assert sizes["context"] == gpus
+    assert config.load(root / f"{stem}.yml").attention.kernel == "blockwise"
+    for overrides in ([], ["attention.kernel=flash"]):
+      sizes = trainer.validate(config.load(root / f"{stem}.yml", overrides), gpus, platform="gpu")
+      assert sizes["context"] == gpus
 
 
 def test_gpu_check_script_rehearses_on_the_cpu(tmp_path):
