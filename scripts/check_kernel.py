@@ -93,17 +93,17 @@ def main(argv=None) -> list[dict]:
     for kernel in args.kernels:
       home = kernels.KERNELS[kernel].platforms if kernel in kernels.KERNELS else None
       interpreted = home is not None and jax.default_backend() not in home
-      problem = attention.Problem(context=context, tensor=1, n_heads=n, n_kv_heads=k, seq_len=t, kernel=kernel,
-                                  load_balance=True, ulysses_degree=degree, block_q=args.block, block_kv=args.block,
-                                  head_dim=h, platform=home[0] if interpreted else None)
+      config = attention.AttentionConfig(strategy=strategy, kernel=kernel, load_balance=True, ulysses_degree=degree,
+                                         block_q=args.block, block_kv=args.block)
+      problem = attention.Problem(config, context=context, tensor=1, n_heads=n, n_kv_heads=k, seq_len=t, head_dim=h,
+                                  platform=home[0] if interpreted else None)
       try:
-        attention.validate(strategy, problem)
+        attention.validate(problem)
       except ConfigError as err:   # a refused combination is a row, not a crash
         rows.append(dict(strategy=label, kernel=kernel, refused=str(err)))
         print(f"{label:<12} {kernel:<10} refused: {err}", flush=True)
         continue
-      fn = attention.build(strategy, mesh, kernel=kernel, ulysses_degree=degree, block_q=args.block,
-                           block_kv=args.block)
+      fn = attention.build(config, mesh)
 
       @jax.jit
       def run(q, kk, v, seg, pos, dout):
