@@ -16,8 +16,6 @@ PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 TOP = ("configs", "maxctx", "scripts", "tests", "docs", "docker", "deploy", "constraints")
 PATH = re.compile(r"(?<![\w./$-])((?:%s)/[\w.*/-]*)" % "|".join(TOP))
 LINK = re.compile(r"\]\(([^)\s]+)\)")
-# Files another branch of issue 36 adds; each entry goes once the file exists (the test says so).
-PENDING = {"scripts/tpu_check.sh": "issue 36 item 4, the TPU twin of scripts/gpu_check.sh"}
 
 
 def _exists(path: str) -> bool:
@@ -37,14 +35,8 @@ def test_every_repository_path_a_page_names_exists(page):
       continue
     if not (page.parent / target.split("#")[0]).exists():
       missing.append(target)
-  missing += [p for p in PATH.findall(text) if not _exists(p) and p.rstrip("./") not in PENDING]
+  missing += [p for p in PATH.findall(text) if not _exists(p)]
   assert not missing, f"{page.relative_to(ROOT)} names paths that do not exist: {sorted(set(missing))}"
-
-
-def test_pending_paths_are_still_missing():
-  # An entry of PENDING whose file has arrived would hide a later removal: drop it from PENDING.
-  arrived = [p for p in PENDING if (ROOT / p).exists()]
-  assert not arrived, f"remove {arrived} from PENDING in tests/test_docs.py: they exist now"
 
 
 def test_every_document_the_code_cites_exists():
