@@ -1,14 +1,15 @@
-"""The passkey demo as a benchmark: the README's command once per seed, with its accuracies, wall time and the load.
+"""The passkey demo as a benchmark: docs/evaluation.md's command once per seed, with its accuracies, wall time and
+the load.
 
   python scripts/bench_passkey_demo.py [--seeds 0,1,2] [--command eval|train] [--out DIR] [section.key=value ...]
 
-`--command eval` (default) runs the README's `python -m maxctx.eval configs/demo-passkey.yml --train --lengths
+`--command eval` (default) runs docs/evaluation.md's `python -m maxctx.eval configs/demo-passkey.yml --train --lengths
 128,256,512 --depths 0,0.25,0.5,0.75,1 --samples 8`, `--command train` runs `python -m maxctx.train
 configs/demo-passkey.yml`; each seed in its own process and output directory (8 fake CPU devices unless XLA_FLAGS
 says otherwise). The table gives the in-training eval at 128 tokens at each eval.every_steps (from TensorBoard), the
 final sweep's accuracy per length (eval only), the command's wall time and the 1-minute load average before and after
 it: on a shared machine the wall time means little without the load. tests/test_eval_passkey_demo.py is the guard CI
-runs; this is the measurement the README quotes.
+runs; this is the measurement docs/results.md records.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ Runs, each as its own process, one after the other:
      timed in 3 turns, every other turn in the opposite order, so the pick and the sweep's cases meet the same host)
 Then prints, per length, the plan's pick, its tokens/s in the sweep, the best tokens/s of the sweep, their ratio and
 whether it is within 15%, and writes OUT/summary.json. With --reuse, a step whose output exists is not run again.
-On fake CPU devices timings rank overheads on this host, not accelerator speed, and move between runs (README).
+On fake CPU devices timings rank overheads on this host, not accelerator speed, and move between runs (docs/results.md).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Compile every recipe for its TPU topology and print the README's table of per-device memory:
+"""Compile every recipe for its TPU topology and print its per-device memory (docs/results.md, "Recipes compiled for
+TPU", records them):
 
     python scripts/compile_recipes.py [configs/recipes/*14m*.yml ...] [--jobs 2] [--out runs/compile]
 

@@ -1,13 +1,13 @@
 """The passkey demo's guard: its training rows ask what the eval asks, where the eval asks it, and the demo as users run
 it (configs/demo-passkey.yml: its steps, schedule and seed) retrieves the passkey at the training length by its last
-step. scripts/bench_passkey_demo.py measures the demo on other seeds and the README quotes it.
+step. scripts/bench_passkey_demo.py measures the demo on other seeds and docs/results.md records it.
 
 The demo's model learns where the answer's digits sit as much as what they are: rows built one token longer than the
 eval's examples put every answer one position later, and the demo then scored 0% at 128 tokens while its training loss
 looked fine (issue #20). Retrieval appears suddenly, and when depends on the CPU's floating point as much as on the
 seed: seed 0 of the 1,500-step demo had it by step 1,000 on one CPU, at step 1,300 on another and not by its end (85%)
 on a third, so the demo now trains 2,000 steps, and seed 0 reaches 90% 200 to 700 steps before the end on the two CPUs
-measured (README). A guard cut short would pass on one CPU and fail on another, so it runs the whole demo.
+measured (docs/results.md). A guard cut short would pass on one CPU and fail on another, so it runs the whole demo.
 """
 
 import jax

@@ -38,7 +38,7 @@ class AllGather(Strategy):
 
   def buffer_bytes(self, p, rows, head_dim, dtype_bytes):
     # The whole sequence's K and V gathered for the forward and again for the backward, and dK, dV summed in float32
-    # before the reduce-scatter (compiled: README, the all_gather rows of the TPU estimates).
+    # before the reduce-scatter (compiled: docs/results.md, the all_gather rows of "TPU estimates").
     return rows * p.seq_len * (p.n_kv_heads // p.tensor) * head_dim * (4 * dtype_bytes + 2 * 4)
 
   def held_kv_bytes(self, p, rows, head_dim, dtype_bytes):

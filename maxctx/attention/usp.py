@@ -44,7 +44,7 @@ class USP(Strategy):
     # The ring between groups carries the group's u·t tokens of the device's share of heads: its own t tokens' bytes.
     # The all-to-all's second layout adds nothing the compiler keeps: every usp step compiled against the same ring
     # (8B, 1M to 32M tokens, v5p-128 and tpu7x-128, u = 2 and the 14M recipes' 8) needs the ring's memory to within
-    # 0.2 GiB (README, "The planner for a TPU slice"), so the relayout presumably takes its input's place.
+    # 0.2 GiB (docs/results.md, "The planner for a TPU slice"), so the relayout presumably takes its input's place.
     kv = rows * p.seq_len // p.context * (p.n_kv_heads // p.tensor) * head_dim
     return ring_buffer_bytes(kv, dtype_bytes)
 

@@ -9,7 +9,7 @@ the last step. Step time is the median of the timed steps; tokens/s = global bat
 `attempt_all` with `rounds` > 1 holds several runs at once (each compiled and warmed up) and times them in turns:
 `rounds` rounds of `timed` steps each, every other round in the opposite order. A host whose speed drifts over minutes
 (fake CPU devices on shared cores) then slows every run alike instead of whichever happened to run during the slow
-minutes, so the runs' ranking is steadier (README, "Measuring the strategies against each other").
+minutes, so the runs' ranking is steadier (docs/planner.md, "The benchmark: every strategy at every length").
 """
 
 from __future__ import annotations

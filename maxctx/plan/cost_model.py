@@ -28,15 +28,15 @@ kv = n_kv_heads·head_dim the model's widths per tensor shard, a / p the compute
              with their float32 accumulators, usp's too; ulysses' second layout, which usp's compiled steps do not show)
 Not modelled: the compiler's own scheduling (two phases' or layers' buffers alive at once, copies for layout changes)
 and the kernels' score blocks (blockwise: a few hundred MB at 8B); which is why the model is checked against compiled
-steps (tests/test_plan_model.py, README) and the compile, not the model, decides fit.
+steps (tests/test_plan_model.py, docs/results.md) and the compile, not the model, decides fit.
 
 Collective bytes per device per step, counted as maxctx.compile.hlo counts a compiled step (all-gather b·(G−1),
 reduce-scatter b·(G−1)/G, all-reduce 2b·(G−1)/G): the strategy's attention traffic (Strategy.traffic, forward twice
 where remat recomputes it, three times in layer groups) and ZeRO-3's: each layer's weights gathered in the compute
 dtype for the forward and again for the backward (once, where remat is `none` and the forward keeps them; once more in
 layer groups, whose backward reruns the group's forward), their gradient reduce-scattered, and the embedding and head
-likewise once per step. On TPU the compiler lowers these gathers as all-reduces of the whole
-(zero-padded) array, which count twice the bytes (measured: README).
+likewise once per step. On TPU the compiler lowers these gathers as all-reduces of the whole (zero-padded) array,
+which count twice the bytes (measured: docs/planner.md, "How far to trust the cost model").
 
 Step time: max(compute, HBM, network) as maxctx.bench.roofline states it (perfect overlap), with compute from the
 analytic model FLOPs plus the forward FLOPs remat runs again (`roofline.recomputed_flops`), HBM from the estimated

@@ -20,7 +20,7 @@ log = logging.getLogger("maxctx.plan")
 
 
 # A candidate expected this far over HBM is not compiled: on the compiled steps the model was checked against
-# (README) it was at most 2% over the compiler's total.
+# (docs/planner.md, "How far to trust the cost model") it was at most 11% over the compiler's total.
 NOT_WORTH_COMPILING = 1.25
 
 

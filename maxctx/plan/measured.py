@@ -15,9 +15,9 @@ log = logging.getLogger("maxctx.plan")
 
 
 # Measured candidates with at least this share of the fastest's tokens/s (within issue 18's 15%) are timed a second
-# time before one is chosen: on the 2-core CPU host the same candidate was seen 22% apart in two processes (README,
-# "Choosing a strategy"), so a first-round lead that small is no evidence. At most RETIME_MAX of them, to bound the
-# time a plan takes.
+# time before one is chosen: on the 2-core CPU host the same candidate was seen 27% apart in two processes
+# (docs/results.md, "The measured planner on the CPU host"), so a first-round lead that small is no evidence. At most
+# RETIME_MAX of them, to bound the time a plan takes.
 RETIME_RATIO = 0.85
 RETIME_MAX = 3
 
