@@ -28,7 +28,7 @@ from maxctx import config as config_lib
 from maxctx import topology as topology_lib
 from maxctx.compile import fit
 from maxctx.compile import step as compile_step
-from maxctx.errors import ConfigError, MaxctxError
+from maxctx.errors import ConfigError, excerpt, exit_code
 
 MAX_WORKLOAD_NAME = 40   # XPK's limit: the JobSet name also names pods and services
 
@@ -79,19 +79,14 @@ MAX_IMAGE_NAME = 255
 BUCKET = re.compile(r"[a-z0-9](?:[a-z0-9._-]*[a-z0-9])?")
 
 
-def _shown(value: str, most: int = 80) -> str:
-  """A user's value in an error, cut short: the sentence stays one line whatever was passed."""
-  return repr(value if len(value) <= most else value[:most] + "...")
-
-
 def check_names(cluster: str, image: str, output_dir: str | None) -> None:
   """Refuses a cluster, image or bucket name its service would not accept, naming the rule."""
   if not CLUSTER.fullmatch(cluster):
-    raise ConfigError(f"--cluster {_shown(cluster)} is not a GKE cluster name; use 1 to 40 lower-case letters, digits "
+    raise ConfigError(f"--cluster {excerpt(cluster)} is not a GKE cluster name; use 1 to 40 lower-case letters, digits "
                       "and '-', starting with a letter and ending with a letter or digit.")
   reference = IMAGE.fullmatch(image)
   if not reference or len(reference["name"]) > MAX_IMAGE_NAME:
-    raise ConfigError(f"--image {_shown(image)} is not a container image reference; write it as "
+    raise ConfigError(f"--image {excerpt(image)} is not a container image reference; write it as "
                       "[registry[:port]/]path[:tag][@sha256:digest] with a lower-case path, e.g. "
                       "us-docker.pkg.dev/my-project/maxctx/tpu:latest.")
   if output_dir is not None:
@@ -114,7 +109,7 @@ def check_bucket(url: str, where: str) -> None:
     why = "a bucket name cannot start with 'goog' or contain 'google'"
   else:
     return
-  raise ConfigError(f"{where} {_shown(url)} names bucket {_shown(bucket)}, which Cloud Storage does not allow: {why}.")
+  raise ConfigError(f"{where} {excerpt(url)} names bucket {excerpt(bucket)}, which Cloud Storage does not allow: {why}.")
 
 
 def workload_name(recipe: pathlib.Path, now: datetime.datetime | None = None) -> str:
@@ -125,13 +120,15 @@ def workload_name(recipe: pathlib.Path, now: datetime.datetime | None = None) ->
 
 
 def image_path(recipe: pathlib.Path) -> str:
-  """The recipe's path in the image, whose working directory holds the repository: configs/<its path there>."""
-  configs = config_lib.CONFIG_DIR.resolve()
-  try:
-    return str(pathlib.PurePosixPath("configs", *recipe.resolve().relative_to(configs).parts))
-  except ValueError:
-    raise ConfigError(f"recipe {recipe} is outside configs/ ({configs}); the image holds only the repository, so "
-                      "put the recipe under configs/ and rebuild the image.") from None
+  """The recipe's path in the image, whose working directory holds the repository: configs/<its path there>. The
+  recipe lies under a `configs` directory: the installed package's, or a checkout's (a wheel's configs live in
+  site-packages, while the recipe a user launches is the one in the checkout the image is built from)."""
+  real = recipe.resolve()
+  for configs in (config_lib.CONFIG_DIR.resolve(), *(p for p in real.parents if p.name == "configs")):
+    if configs in real.parents:
+      return str(pathlib.PurePosixPath("configs", *real.relative_to(configs).parts))
+  raise ConfigError(f"recipe {recipe} is outside configs/ ({config_lib.CONFIG_DIR.resolve()}); the image holds only "
+                    "the repository, so put the recipe under configs/ and rebuild the image.")
 
 
 def build_command(args: argparse.Namespace, overrides: list[str]) -> tuple[list[str], str]:
@@ -145,7 +142,7 @@ def build_command(args: argparse.Namespace, overrides: list[str]) -> tuple[list[
     raise ConfigError(f"--num-slices is {args.num_slices}; a job has at least one slice.")
   workload = args.workload or workload_name(recipe)
   if not re.fullmatch(r"[a-z]([a-z0-9-]*[a-z0-9])?", workload) or len(workload) > MAX_WORKLOAD_NAME:
-    raise ConfigError(f"--workload {workload!r} must be lower-case letters, digits and '-', start with a letter and "
+    raise ConfigError(f"--workload {excerpt(workload)} must be lower-case letters, digits and '-', start with a letter and "
                       f"have at most {MAX_WORKLOAD_NAME} characters.")
   train_overrides = list(overrides)
   if args.dcn_axis and args.num_slices > 1:
@@ -184,19 +181,17 @@ def _load(recipe: pathlib.Path, overrides: list[str], tpu_type: str | None, num_
 
 def main(argv: list[str] | None = None) -> int:
   args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
-  try:
+
+  def body():
     xpk, _ = build_command(args, overrides)
-  except MaxctxError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
-  print(shlex.join(xpk))
-  if args.dry_run:
-    return 0
-  if shutil.which(args.xpk) is None:
-    print(f"error: {args.xpk} is not on PATH; install it (pip install xpk) or pass --xpk /path/to/xpk.",
-          file=sys.stderr)
-    return 2
-  return subprocess.run(xpk, check=False).returncode
+    print(shlex.join(xpk))
+    if args.dry_run:
+      return 0
+    if shutil.which(args.xpk) is None:
+      raise ConfigError(f"{args.xpk} is not on PATH; install it (pip install xpk) or pass --xpk /path/to/xpk.")
+    return subprocess.run(xpk, check=False).returncode
+
+  return exit_code(body)
 
 
 if __name__ == "__main__":

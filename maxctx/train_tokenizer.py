@@ -15,7 +15,7 @@ import logging
 import sys
 
 from maxctx.data import sources, tokenizers
-from maxctx.errors import ArgumentParser, MaxctxError
+from maxctx.errors import ArgumentParser, exit_code
 
 log = logging.getLogger("maxctx.data")
 
@@ -46,17 +46,16 @@ def main(argv: list[str] | None = None) -> int:
   if args.stdlib == bool(args.paths):
     ap.error("give input paths or --stdlib (one of the two)")
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S", force=True)
-  try:
+
+  def body():
     files = [str(f) for f in sources.stdlib_files()] if args.stdlib else sources.expand(",".join(args.paths))
     log.info("training on %d files", len(files))
     out = tokenizers.train_sentencepiece(texts(files, args.jsonl_field), args.output, args.vocab_size,
                                          model_type=args.model_type, max_sentences=args.max_sentences)
     tok = tokenizers.load(str(out))
     print(f"wrote {out}: {tok.vocab_size} tokens, BOS {tok.bos_id}, EOS {tok.eos_id}")
-  except MaxctxError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
-  return 0
+
+  return exit_code(body)
 
 
 if __name__ == "__main__":

@@ -200,3 +200,17 @@ def test_names_the_cloud_accepts_launch(flag, value, capsys):
     assert f"run.output_dir={value}/" in flags["--command"]
   else:
     assert flags[{"--image": "--docker-image"}.get(flag, flag)] == value
+
+
+def test_the_recipe_is_passed_by_its_path_under_configs(tmp_path):
+  # A wheel's configs lie in site-packages, the recipe a user launches in the checkout the image is built from: both
+  # are configs/<path>; a recipe under no configs/ directory is refused, since the image would not hold it.
+  ours = ROOT / "configs" / "recipes" / "llama3.1-8b-14m-ring-tpu7x-128.yml"
+  assert launch.image_path(ours) == "configs/recipes/llama3.1-8b-14m-ring-tpu7x-128.yml"
+  checkout = tmp_path / "checkout" / "configs" / "recipes" / "mine.yml"
+  checkout.parent.mkdir(parents=True)
+  checkout.write_text(ours.read_text())
+  assert launch.image_path(checkout) == "configs/recipes/mine.yml"
+  (tmp_path / "r.yml").write_text(ours.read_text())
+  with pytest.raises(launch.ConfigError, match=r"r.yml is outside configs/"):
+    launch.image_path(tmp_path / "r.yml")

@@ -11,7 +11,7 @@ import argparse
 import sys
 
 from maxctx import convert
-from maxctx.errors import ArgumentParser, MaxctxError
+from maxctx.errors import ArgumentParser, exit_code
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,17 +30,16 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("overrides", nargs="*", help="section.key=value, as for maxctx.train")
   p.add_argument("--dtype", choices=("float32", "bfloat16"), help="cast the tensors (default: keep the params' dtype)")
   args = parser.parse_args(argv)
-  try:
+
+  def body():
     if args.command == "import":
       path = convert.import_hf(args.hf_dir, args.out_dir, scan_layers=not args.unscanned)
       print(f"wrote {path} and {path.parent / 'model.yml'}")
     else:
       path = convert.export_hf(args.params_dir, args.config, args.hf_out_dir, args.overrides, args.dtype)
       print(f"wrote {path}")
-  except MaxctxError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
-  return 0
+
+  return exit_code(body)
 
 
 if __name__ == "__main__":
