@@ -16,6 +16,7 @@ import dataclasses
 import difflib
 import importlib.resources
 import pathlib
+import re
 import typing
 from typing import Any, Literal
 
@@ -29,6 +30,7 @@ from maxctx.errors import EXCERPT_CHARS, ConfigError, excerpt
 # presets are found from any working directory, in a wheel as in an editable install. A run file is a plain path.
 CONFIG_DIR = pathlib.Path(str(importlib.resources.files("maxctx") / "configs"))
 MESH_AXES = ("data", "fsdp", "context", "tensor")
+_PRESET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 
 # Each key's rules on its value sit beside it in the schema below (config_types.rules; `check` applies them). 0
 # switches lr decay, weight decay, clipping, a momentum, the peak override, saving and the workers off; an epsilon, a
@@ -137,7 +139,7 @@ class DataConfig:
   shuffle: bool
   mixture: tuple[MixtureSource, ...]
   long_threshold: int = rules(at_least(0, "0 turns long-document up-sampling off"))
-  long_weight: float = rules(above(0))
+  long_weight: float = rules(within(1e-3, 1e3, "how many times as often a long document is drawn"))
   num_workers: int = rules(at_least(0, "0 reads in the main process"))
   prefetch: int = rules(at_least(0, "0 makes each batch when asked"))
 
@@ -284,6 +286,8 @@ def parse_override(arg: str) -> tuple[str, Any]:
   key, text = arg.split("=", 1)
   try:
     value = config_yaml.loads(text) if text != "" else ""
+  except config_yaml.Refused as e:   # valid YAML that the strict loader refuses is no plain string either
+    raise ConfigError(f"command-line argument {excerpt(arg)} {e}.") from None
   except yaml.YAMLError:
     value = text
   return key.strip(), value
@@ -306,12 +310,15 @@ def load(path: str | pathlib.Path | None = None, overrides: list[str] | tuple[st
   preset = dict(parsed).get("model.preset", (run_tree.get("model") or {}).get("preset", base["model"]["preset"]))
   tree = base
   if preset:
+    if not isinstance(preset, str) or not _PRESET_NAME.fullmatch(preset):
+      raise ConfigError(f"model.preset {excerpt(preset)} is not a preset name (letters, digits, '.', '_' and '-', as "
+                        f"the files in configs/models/ are named); name one of them, or leave model.preset empty.")
     preset_path = CONFIG_DIR / "models" / f"{preset}.yml"
     if not preset_path.exists():
       known = sorted(p.stem for p in (CONFIG_DIR / "models").glob("*.yml"))
       close = difflib.get_close_matches(str(preset), known, n=1)
       hint = f"did you mean {close[0]}?" if close else f"known presets: {', '.join(known)}."
-      raise ConfigError(f"model preset {preset!r} has no file configs/models/{preset}.yml; {hint}")
+      raise ConfigError(f"model preset {excerpt(preset)} has no file configs/models/{preset}.yml; {hint}")
     tree = _merge(tree, {"model": _read_yaml(preset_path)}, str(preset_path))
   tree = _merge(tree, run_tree, run_where)
   for key, value in parsed:

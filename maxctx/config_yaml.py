@@ -42,13 +42,12 @@ def _check_keys(node: yaml.Node, prefix: str) -> None:
   lines: dict[str, int] = {}
   for key, value in node.value:
     if isinstance(key, yaml.ScalarNode) and key.tag != _MERGE:
-      name = key.value[:60]
-      line = key.start_mark.line + 1
-      if name in lines:
-        raise Refused(f"gives {prefix}{name} twice (lines {lines[name]} and {line}); keep one, since YAML would use "
-                      "the last silently")
+      name, line = key.value, key.start_mark.line + 1
+      if name in lines:   # the whole key decides; the message shows its start
+        raise Refused(f"gives {prefix}{name[:60]} twice (lines {lines[name]} and {line}); keep one, since YAML would "
+                      "use the last silently")
       lines[name] = line
-      _check_keys(value, f"{prefix}{name}.")
+      _check_keys(value, f"{prefix}{name[:60]}.")
     else:
       _check_keys(value, prefix)
 

@@ -177,6 +177,12 @@ CASES = [
      ["data.mixture[0].weight is -2; it must be above 0"]),
     ("mixture-weight-nan", "train", ["data.source=mixture", MIX.format("weight: .nan")],
      ["data.mixture[0].weight is nan"]),
+    ("mixture-key-twice", "train", ["data.source=mixture", MIX.format("weight: 1, weight: 2")],
+     ["gives weight twice (lines 1 and 1)"]),
+    ("long-weight-tiny", "train", ["data.long_threshold=10", "data.long_weight=1e-320"],
+     ["data.long_weight is", "it must be in [0.001, 1000]"]),
+    ("preset-path", "train", ["model.preset=../../x"], ["model.preset '../../x' is not a preset name"]),
+    ("preset-too-long", "train", ["model.preset=" + "a" * 300], ["is not a preset name"]),
     ("mixture-path-missing", "train", ["data.source=mixture", "data.mixture=[{{source: jsonl, path: {F}/data/oob."
                                        "jsonl, weight: 1}}, {{source: jsonl, path: {F}/nothing.jsonl, weight: 1}}]"],
      ["data.mixture[1].path", "nothing.jsonl' does not exist"]),
