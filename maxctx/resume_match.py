@@ -16,7 +16,7 @@ import jax
 from maxctx.config import Config
 
 from maxctx.data import STREAM_KEYS
-from maxctx.errors import CheckpointError
+from maxctx.errors import CheckpointError, excerpt
 
 log = logging.getLogger("maxctx")
 
@@ -104,8 +104,8 @@ def check_compatible(config: Config, meta: dict, step: int, where: Any, step_pat
       # Parameters still fit a model of the same shape, so a changed data or seed setting can start from them.
       reuse = "" if key.startswith("model.") or key == CLIPS else \
           f" (with checkpoint.load_params={step_path} to start from their parameters)"
-      raise CheckpointError(f"{where} holds checkpoints of another run ({key} was {saved[key]!r}, this run has "
-                            f"{now[key]!r}); use a new run.output_dir{reuse} or move them away.")
+      raise CheckpointError(f"{where} holds checkpoints of another run ({key} was {excerpt(saved[key])}, this run "
+                            f"has {excerpt(now[key])}); use a new run.output_dir{reuse} or move them away.")
   if meta.get("processes", 1) != jax.process_count():
     raise CheckpointError(
         f"checkpoint step {step} in {where} was saved by {meta.get('processes')} processes and this run has "
