@@ -1,7 +1,6 @@
 """Each key's rule on its value is declared once, beside the key in the schema, and `config.check` applies every one:
 keys whose rule lived in a component (the mesh, the compile entry) or nowhere are refused by the same check."""
 
-
 import pytest
 
 from maxctx import config, trainer
