@@ -30,23 +30,7 @@ export PYTHONPATH="$PWD:${PYTHONPATH:-}"
 export XLA_PYTHON_CLIENT_MEM_FRACTION=0.95   # JAX's default 0.75 would leave a quarter of the GPU unused
 [ -n "${GPU_CHECK_CPU:-}" ] || unset JAX_PLATFORMS XLA_FLAGS
 
-"$PY" - <<'PYEOF' || exit 2
-import importlib.metadata as md, os, sys
-missing = []
-for name in ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain", "tensorboardX", "array-record"):
-  try:
-    print(f"{name} {md.version(name)}", end="; ")
-  except md.PackageNotFoundError:
-    missing.append(name)
-print()
-if missing:
-  sys.exit(f"gpu_check: {', '.join(missing)} not installed; run `bash scripts/gpu_wheels.sh` where pip reaches PyPI "
-           "and bring .whl/ with the checkout.")
-import jax
-if jax.default_backend() != "gpu" and not os.environ.get("GPU_CHECK_CPU"):
-  sys.exit(f"gpu_check: JAX sees no GPU here (backend {jax.default_backend()}); run it on the GPU machine.")
-print(f"{jax.devices()[0].device_kind} × {jax.device_count()}, jax {jax.__version__}")
-PYEOF
+"$PY" scripts/device_preflight.py gpu "run bash scripts/gpu_wheels.sh where pip reaches PyPI and bring .whl/ with the checkout" || exit 2
 
 SHAPE=(--kernels flash --baseline cudnn --context 1 --strategies all_gather --batch 1 --heads 32 --kv-heads 8
        --head-dim 128 --dtype bfloat16 --documents 16 --iters 5)

@@ -41,23 +41,7 @@ fi
 export PYTHONPATH="$PWD:${PYTHONPATH:-}"
 [ -n "${TPU_CHECK_CPU:-}" ] || unset JAX_PLATFORMS XLA_FLAGS
 
-"$PY" - <<'PYEOF' || exit 2
-import importlib.metadata as md, os, sys
-missing = []
-for name in ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain", "tensorboardX", "array-record"):
-  try:
-    print(f"{name} {md.version(name)}", end="; ")
-  except md.PackageNotFoundError:
-    missing.append(name)
-print()
-if missing:
-  sys.exit(f"tpu_check: {', '.join(missing)} not installed; run `pip install -e '.[tpu]'` where pip reaches PyPI, or "
-           "use the image docker/Dockerfile builds.")
-import jax
-if jax.default_backend() != "tpu" and not os.environ.get("TPU_CHECK_CPU"):
-  sys.exit(f"tpu_check: JAX sees no TPU here (backend {jax.default_backend()}); run it on the TPU VM.")
-print(f"{jax.devices()[0].device_kind} × {jax.device_count()}, jax {jax.__version__}")
-PYEOF
+"$PY" scripts/device_preflight.py tpu "run pip install -e '.[tpu]' where pip reaches PyPI, or use the image docker/Dockerfile builds" || exit 2
 
 timeout $(( 100 * SCALE )) "$PY" scripts/check_kernel.py --kernels flash blockwise "${EXACT_EXTRA[@]}" --json "$OUT/exact.json" \
   > "$OUT/exact.log" 2>&1
