@@ -119,7 +119,8 @@ def _loop(config, trainer, pipeline, evaluator, state, start, checkpoints, preem
   pending = None
   for step in range(start, config.run.steps):
     state, step_metrics = trainer.step(state, next(pipeline))
-    reporter.dispatched(step, {**step_metrics, **pipeline.shares()})   # shares: host floats, read with the step's
+    # shares: host floats over the batches since the last logged step, read (and reset) only on logged steps
+    reporter.dispatched(step, {**step_metrics, **(pipeline.shares() if reporter.logs(step) else {})})
     if step == start:
       preemption.started()
     if pending is not None:
@@ -234,6 +235,11 @@ class _Reporter:
     """Step `step` is on its way; its clock stops when it finishes."""
     self._dispatched[step] = (step_metrics, self._clock.submit(_finished_at, step_metrics))
 
+  def logs(self, step: int) -> bool:
+    """Whether step `step` (0-based) is written to the console and TensorBoard."""
+    n = step + 1
+    return n % self.config.metrics.log_every == 0 or n == self.config.run.steps
+
   def restart_clock(self) -> None:
     """The next step's time counts from now: what the host did since the last step finished was not training."""
     self.last_time = time.perf_counter()
@@ -264,7 +270,7 @@ class _Reporter:
     values["mfu"] = values["tflops_per_device"] / self.peak if self.peak else 0.0
     values.pop("tokens")
     n = step + 1
-    if n % config.metrics.log_every == 0 or n == config.run.steps:
+    if self.logs(step):
       if (peak := metrics_lib.peak_memory_gib()) is not None:   # read only on the steps that log it
         values["peak_memory_gib"] = peak
       self.writer.scalars(n, values)

@@ -87,15 +87,50 @@ def test_source_and_mixture_must_name_one_stream(corpus, overrides, fragment):
 
 
 def _shares(c, steps):
+  """The shares over `steps` batches, read once (the pipeline counts every token of the interval)."""
   p = build(c)
-  shares = [p.host_batch() and p.shares() for _ in range(steps)]
-  return {k: float(np.mean([s[k] for s in shares])) for k in shares[0]}
+  for _ in range(steps):
+    p.host_batch()
+  return p.shares()
 
 
-def test_token_shares_follow_the_weights_not_the_document_counts(corpus):
+def _batch_by_batch(c, steps):
+  """Each of the first `steps` batches' own shares (read after every batch) and non-padding tokens."""
+  p = build(c)
+  shares, tokens = [], []
+  for _ in range(steps):
+    tokens.append(int((p.host_batch()["segment_ids"] != 0).sum()))
+    shares.append(p.shares())
+  p.close()
+  return shares, tokens
+
+
+def _weighted(shares, tokens):
+  """The share of several batches, from each one's share and tokens."""
+  return {k: sum(s[k] * t for s, t in zip(shares, tokens)) / sum(tokens) for k in shares[0]}
+
+
+@pytest.mark.parametrize("weights", [(1, 3), (3, 1)])
+def test_token_shares_follow_the_weights_not_the_document_counts(corpus, weights):
   # books' documents are ~8× longer than chat's: drawn by document count at 1:3, books would hold ~70% of the tokens.
-  shares = _shares(mixture_config(corpus, weights=(1, 3)), 200)
-  assert shares == pytest.approx({"data/share/books": 0.25, "data/share/chat": 0.75}, abs=0.02)
+  shares = _shares(mixture_config(corpus, weights=weights), 200)
+  want = {"data/share/books": weights[0] / sum(weights), "data/share/chat": weights[1] / sum(weights)}
+  assert shares == pytest.approx(want, abs=0.02)
+
+
+def test_a_share_covers_every_batch_since_it_was_last_read(corpus):
+  # Read after 5 batches, the share is the 5 batches' token-weighted share (what a logged step must show for its
+  # whole interval), not the last batch's; and reading starts the next interval.
+  c = mixture_config(corpus, weights=(1, 1))
+  each, tokens = _batch_by_batch(c, 6)
+  assert len({s["data/share/books"] for s in each[:5]}) > 1   # else the last batch's share would pass too
+  p = build(c)
+  for _ in range(5):
+    p.host_batch()
+  assert p.shares() == pytest.approx(_weighted(each[:5], tokens[:5]), rel=1e-12)
+  assert p.shares() == {}
+  p.host_batch()   # the next read covers the 6th batch alone
+  assert p.shares() == pytest.approx(each[5], rel=1e-12)
 
 
 def test_the_batch_the_devices_see_holds_no_source_field(corpus):
@@ -108,6 +143,7 @@ def test_resume_continues_with_exactly_the_next_batches(corpus):
   first = build(c)
   for _ in range(7):
     first.host_batch()
+  first.shares()   # read, so that each share below covers one batch
   saved = json.loads(json.dumps(first.state()))  # as a checkpoint stores it
   expected = [(first.host_batch(), first.shares()) for _ in range(5)]
   resumed = build(c)
@@ -138,17 +174,22 @@ def test_long_documents_are_up_sampled_within_their_source(corpus, tmp_path):
   assert long_share("data.long_threshold=30", "data.long_weight=4") == pytest.approx(0.8, abs=0.05)
 
 
-def test_training_logs_each_sources_share_to_tensorboard(corpus, tmp_path):
+def test_training_logs_each_sources_share_to_tensorboard_over_each_log_interval(corpus, tmp_path):
+  # Logged every 3 steps: each logged value is the share of the 3 steps' batches, as a pipeline reading the same
+  # batches reports it (the shares themselves are checked against the weights over 200 batches above).
   from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-  c = mixture_config(corpus, f"run.output_dir={tmp_path}", "run.steps=200", "metrics.log_every=1",
+  c = mixture_config(corpus, f"run.output_dir={tmp_path}", "run.steps=6", "metrics.log_every=3",
                      "attention.strategy=ring", "model.n_layers=1", "data.prefetch=2")
   train.run(c)
   acc = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"scalars": 0})
   acc.Reload()
-  for name, weight in (("books", 0.75), ("chat", 0.25)):
-    logged = [e.value for e in acc.Scalars(f"data/share/{name}")]
-    assert len(logged) == 200
-    assert np.mean(logged) == pytest.approx(weight, abs=0.02)
+  each, tokens = _batch_by_batch(c, 6)
+  want = [_weighted(each[:3], tokens[:3]), _weighted(each[3:], tokens[3:])]
+  assert want[0] != each[2]   # else the last batch's share would pass too
+  for name in ("books", "chat"):
+    logged = acc.Scalars(f"data/share/{name}")
+    assert [e.step for e in logged] == [3, 6]
+    assert [e.value for e in logged] == pytest.approx([w[f"data/share/{name}"] for w in want], rel=1e-6)
 
 
 def test_a_resumed_run_trains_on_the_same_mixture_batches(corpus, tmp_path):

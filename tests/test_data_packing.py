@@ -75,6 +75,35 @@ def test_packing_resumes_exactly(case, cut):
       np.testing.assert_array_equal(a[k], b[k])
 
 
+@settings(max_examples=60, deadline=None)
+@given(cases, st.integers(0, 30))
+def test_a_mixtures_per_source_counts_match_its_pairs_and_leave_the_fields_alone(case, cut):
+  # Documents given as (document, source index), source = document % 3: each sequence's SOURCE_TOKENS must equal
+  # its non-padding pairs counted by source (read off the targets), however pieces split across sequences and
+  # rounds, after a resume too; and the fields must be those of the same documents given plain.
+  lengths, seq_len, method, long_documents, bins = case
+  parent = grain.MapDataset.source([(doc, d % 3) for d, doc in enumerate(_docs(lengths))])
+  ds = packing.PackIterDataset(parent.to_iter_dataset(grain.ReadOptions(num_threads=0)), seq_len, method,
+                               long_documents, bins, sources=3)
+  tagged, plain = list(ds), list(_packed(lengths, seq_len, method, long_documents, bins))
+  assert len(tagged) == len(plain)
+  for t, p in zip(tagged, plain):
+    assert set(t) == {*packing.FIELDS, packing.SOURCE_TOKENS}
+    for k in packing.FIELDS:
+      np.testing.assert_array_equal(t[k], p[k])
+    real = t["segment_ids"] != 0
+    np.testing.assert_array_equal(t[packing.SOURCE_TOKENS], np.bincount(t["targets"][real] // STRIDE % 3,
+                                                                        minlength=3))
+  cut = min(cut, len(tagged))
+  it = iter(ds)
+  for _ in range(cut):
+    next(it)
+  resumed = iter(ds)
+  resumed.set_state(it.get_state())
+  for a, b in zip(resumed, tagged[cut:], strict=True):
+    np.testing.assert_array_equal(a[packing.SOURCE_TOKENS], b[packing.SOURCE_TOKENS])
+
+
 def test_first_fit_fills_earlier_sequences():
   # Pieces of 5, 6, 3 pairs at seq_len 8 with 2 open sequences: the 3 goes back into the first one.
   seqs = list(_packed([6, 7, 4], 8, "first_fit", "split", 2))

@@ -2,7 +2,8 @@
 
     pipeline = maxctx.data.build(config, mesh)
     batch = next(pipeline)   # {"tokens", "targets", "segment_ids", "positions"}: int32 [batch_size, seq_len]
-    pipeline.shares()        # with data.mixture: {"data/share/<name>": that batch's share of tokens per source}
+    pipeline.shares()        # with data.mixture: {"data/share/<name>": each source's share of the tokens of the
+                             # batches made since the last call}; reading it starts the next interval
     saved = pipeline.state()  # JSON-able; pipeline.restore(saved) continues with exactly the next batch
 
 Contract with the model: the loss counts token t iff segment_ids[t] != 0, and targets[t] is the token that follows
@@ -32,7 +33,7 @@ from jax.sharding import Mesh, NamedSharding
 from maxctx import sharding
 from maxctx.config import Config
 from maxctx.data import dataset, mixture
-from maxctx.data.packing import FIELDS, SOURCES
+from maxctx.data.packing import FIELDS, SOURCE_TOKENS
 from maxctx.errors import CheckpointError
 
 log = logging.getLogger("maxctx.data")
@@ -73,7 +74,8 @@ class Pipeline(Iterator[dict[str, jax.Array]]):
     self._dataset, self._bad = dataset.local_dataset(config, self.rows, mesh.shape[sharding.SEQ_AXIS])
     self._iter = iter(self._dataset)
     self._step = 0
-    self._source_tokens: np.ndarray | None = None
+    # Target tokens per mixture source since shares() was last read (None without a mixture).
+    self._source_tokens = np.zeros(len(d.mixture), np.int64) if d.mixture else None
     if d.num_workers or d.prefetch:
       # Worker processes (and the prefetch thread) must stop before the interpreter tears down the modules they use.
       atexit.register(self.close)
@@ -89,18 +91,19 @@ class Pipeline(Iterator[dict[str, jax.Array]]):
     """The next batch's rows of this process, as numpy [len(self.rows), seq_len], laid out as on the devices."""
     out = next(self._iter)
     self._step += 1
-    if SOURCES in out:   # counted here, on the host: the batch the devices see holds FIELDS only
-      sources = out.pop(SOURCES)
-      self._source_tokens = np.bincount(sources[sources >= 0], minlength=len(self._config.data.mixture))
+    if SOURCE_TOKENS in out:   # the packer's per-row counts; the batch the devices see holds FIELDS only
+      self._source_tokens += out.pop(SOURCE_TOKENS).sum(axis=0)
     return out
 
   def shares(self) -> dict[str, float]:
-    """The last batch's share of (non-padding target) tokens from each mixture source, as TensorBoard scalars
-    data/share/<name>, over this process's rows; empty without a mixture."""
+    """Each mixture source's share of the (non-padding target) tokens of this process's rows in the batches made
+    since the last call, as TensorBoard scalars data/share/<name>, and starts counting afresh: read it only on the
+    steps that are logged, so a logged share covers the whole interval. Empty without a mixture or a batch."""
     counts = self._source_tokens
-    if counts is None:
+    if counts is None or not counts.any():
       return {}
-    total = max(int(counts.sum()), 1)
+    self._source_tokens = np.zeros_like(counts)
+    total = int(counts.sum())
     return {f"data/share/{mixture.name(self._config.data, i)}": int(c) / total for i, c in enumerate(counts)}
 
   def __next__(self) -> dict[str, jax.Array]:
@@ -161,6 +164,8 @@ class Pipeline(Iterator[dict[str, jax.Array]]):
                             f"rows {_ranges(self.rows)}; with data.num_workers > 0 resume on the same mesh.")
     self._iter.set_state(it)
     self._step = int(state["step"])
+    if self._source_tokens is not None:   # batches made before a rewind are made again
+      self._source_tokens[:] = 0
 
 
 def _ranges(rows: Sequence[int]) -> str:

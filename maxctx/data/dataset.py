@@ -125,7 +125,8 @@ def _packed(stream: grain.IterDataset, config: Config, r: int, max_empty: int, p
              f"data.bad_records=skip, empty, or a single token); {path_key} holds too few usable documents for "
              f"data.batch_size {d.batch_size}: fix the data or use a smaller batch.")
   return packing.PackIterDataset(stream, d.seq_len, d.packing, d.long_documents,
-                                 max_empty=max(max_empty, d.batch_size) * mixture.empty_allowance(d), starved=starved)
+                                 max_empty=max(max_empty, d.batch_size) * mixture.empty_allowance(d), starved=starved,
+                                 sources=len(d.mixture))
 
 
 def _rows_of_documents(source, config: Config, encode: Encode, rows: Sequence[int]) -> list[grain.IterDataset]:
@@ -190,8 +191,8 @@ class Stack(grain.transforms.Map):
     out = {k: np.stack([r[k] for r in row_dicts]) for k in packing.FIELDS}
     if self._context:
       out = {k: layout.zigzag(v, self._context, axis=1) for k, v in out.items()}
-    if packing.SOURCES in row_dicts[0]:   # host-only, counted not laid out
-      out[packing.SOURCES] = np.stack([r[packing.SOURCES] for r in row_dicts])
+    if packing.SOURCE_TOKENS in row_dicts[0]:   # host-only, [rows, sources]: summed, not laid out
+      out[packing.SOURCE_TOKENS] = np.stack([r[packing.SOURCE_TOKENS] for r in row_dicts])
     return out
 
 

@@ -10,8 +10,9 @@ checkpointed state holds (its parent's state), so a resumed run takes the very s
 Why not grain's `mix`: its proportions count documents (a 100K-token book weighs as much as a 50-token snippet, so
 token shares would follow each source's mean length), and it interleaves in a fixed order.
 
-Each mixture document leaves here as [L, 2] int32 (token, source index); the packer carries the source column into a
-host-only `sources` field (-1 in padding), from which the pipeline counts each batch's tokens per source.
+Each mixture document leaves here as a (document, source index) pair, the document untouched (no copy: first-fit
+holds open sequences' documents by reference); the packer counts each sequence's pairs per source as it places each
+piece (a host-only `source_tokens` vector per row), and the pipeline sums those counts until the shares are read.
 
 Up-sampling: within a source, a document of at least data.long_threshold tokens is drawn data.long_weight times as
 often as a shorter one, by keeping each short document with probability 1/long_weight (each long one with
@@ -87,15 +88,13 @@ class _MixIterator(grain.DatasetIterator):
     self._shares, self._seq_len = tuple(shares), seq_len
     self._taken = [0] * len(parents)
 
-  def __next__(self) -> np.ndarray:
+  def __next__(self) -> tuple[np.ndarray, int]:
     i = min(range(len(self._shares)), key=lambda j: self._taken[j] / self._shares[j])
     doc = next(self._parents[i])
     pairs = max(len(doc) - 1, 0)
     # What the packer will use of it: long_documents=truncate keeps one sequence's worth.
     self._taken[i] += min(pairs, self._seq_len) if self._seq_len else pairs
-    out = np.empty((len(doc), 2), np.int32)
-    out[:, 0], out[:, 1] = doc, i
-    return out
+    return doc, i
 
   def get_state(self) -> dict[str, Any]:
     return {"parents": [p.get_state() for p in self._parents], "taken": list(self._taken)}
@@ -107,7 +106,7 @@ class _MixIterator(grain.DatasetIterator):
 
 
 class MixIterDataset(grain.IterDataset):
-  """Documents from `parents` (one stream of 1-D int32 documents per source) as [L, 2] (token, source), each taken
+  """Documents from `parents` (one stream of 1-D int32 documents per source) as (document, source index), each taken
   from the source furthest below its share (`weights`, normalised) of the pairs so far. `truncate_at`: the packer keeps
   at most this many pairs of a document (long_documents=truncate), so only those count."""
 

@@ -7,8 +7,9 @@ documents of their own (`split`), or keeps only its first piece (`truncate`). Ev
   tokens, targets   the pairs, 0 in padding
   segment_ids       1..n for the n pieces in the sequence, 0 in padding
   positions         0..len−1 inside each piece, 0 in padding
-  sources           only for documents given as [L, 2] (token, source index), from a mixture: each pair's source,
-                    −1 in padding; it stays on the host (the pipeline counts it), the model never sees it
+  source_tokens     only with `sources` > 0 (a mixture, whose documents come as (document, source index)): int64
+                    [sources], the sequence's pairs from each source, counted per piece as it is placed; it stays on
+                    the host (the pipeline sums it), the model never sees it
 
 Methods:
   first_fit  a round fills up to `bins` open sequences, each piece going to the first with room; when a piece fits
@@ -35,7 +36,7 @@ import numpy as np
 from maxctx.errors import DataError
 
 FIELDS = ("tokens", "targets", "segment_ids", "positions")
-SOURCES = "sources"
+SOURCE_TOKENS = "source_tokens"
 
 # first_fit keeps at most this many tokens in open sequences (and never more than MAX_BINS of them): at 14,680,064
 # tokens a round is 4 sequences (their documents, held by reference, cost 4 × 59 MB), at 8K it is 16.
@@ -48,21 +49,15 @@ def default_bins(seq_len: int) -> int:
 
 
 def write_sequence(pieces: list[np.ndarray], seq_len: int) -> dict[str, np.ndarray]:
-  """One packed sequence from pieces, each a document view of n+1 tokens holding n pairs (or of [n+1, 2] tokens and
-  their source)."""
+  """One packed sequence of FIELDS from pieces, each a document view of n+1 tokens holding n pairs."""
   out = np.zeros((4, seq_len), np.int32)
   tokens, targets, segment_ids, positions = out
-  tagged = pieces[0].ndim == 2
-  sources = np.full(seq_len, -1, np.int32) if tagged else None
   starts = np.empty(len(pieces), np.int64)
   t = 0
   for i, p in enumerate(pieces):
     n = len(p) - 1
-    if tagged:
-      tokens[t:t + n], targets[t:t + n], sources[t:t + n] = p[:-1, 0], p[1:, 0], p[0, 1]
-    else:
-      tokens[t:t + n] = p[:-1]
-      targets[t:t + n] = p[1:]
+    tokens[t:t + n] = p[:-1]
+    targets[t:t + n] = p[1:]
     starts[i] = t
     t += n
   # Segment ids and positions as running sums of a sparse pattern, in place: per-piece fills cost too much at ~100
@@ -73,18 +68,16 @@ def write_sequence(pieces: list[np.ndarray], seq_len: int) -> dict[str, np.ndarr
   positions[starts[1:]] = 1 - np.diff(starts).astype(np.int32)
   positions[0] = 0
   np.add.accumulate(positions[:t], out=positions[:t])
-  fields = dict(zip(FIELDS, out))
-  if tagged:
-    fields[SOURCES] = sources
-  return fields
+  return dict(zip(FIELDS, out))
 
 
 class _PackIterator(grain.DatasetIterator):
 
   def __init__(self, parent: grain.DatasetIterator, seq_len: int, method: str, long_documents: str, bins: int,
-               max_empty: int | None = None, starved: str = ""):
+               max_empty: int | None = None, starved: str = "", sources: int = 0):
     super().__init__(parent)
     self._seq_len, self._method, self._truncate, self._bins = seq_len, method, long_documents == "truncate", bins
+    self._sources, self._source = sources, 0   # the current document's source index, with `sources` > 0
     self._max_empty, self._starved, self._empty = max_empty, starved, 0
     self._reset(parent.get_state(), 0)
 
@@ -94,6 +87,7 @@ class _PackIterator(grain.DatasetIterator):
     self._doc_state, self._doc, self._offset = doc_state, None, offset
     self._exhausted = False
     self._round: list[list[np.ndarray]] = []  # Finished sequences of the current round, as lists of pieces.
+    self._counts: list[np.ndarray | None] = []   # Per sequence of the round: its pairs per source (with sources).
     self._round_start = (doc_state, offset)
     self._emitted = 0
 
@@ -114,28 +108,38 @@ class _PackIterator(grain.DatasetIterator):
       except StopIteration:
         self._exhausted = True
         return 0
+      if self._sources:
+        doc, self._source = doc
       self._doc_state, self._doc, self._offset = state, doc, 0
       self._empty = self._empty + 1 if len(doc) < 2 else 0
       if self._max_empty and self._empty > self._max_empty:
         raise DataError((self._starved or "{n} documents in a row held no (token, target) pair; the data holds too "
                          "few usable documents.").replace("{n}", str(self._empty)))
 
-  def _take(self, n: int) -> np.ndarray:
-    """The next n pairs of the current document, as a view of n+1 tokens."""
+  def _take(self, n: int, counts: np.ndarray | None) -> np.ndarray:
+    """The next n pairs of the current document, as a view of n+1 tokens; they count towards their source in
+    `counts` (the sequence's per-source pairs), so counting costs one add per piece, not per token."""
     piece = self._doc[self._offset:self._offset + n + 1]
     self._offset += n
+    if counts is not None:
+      counts[self._source] += n
     return piece
+
+  def _new_counts(self) -> np.ndarray | None:
+    return np.zeros(self._sources, np.int64) if self._sources else None
 
   def _fill_round(self) -> None:
     self._round_start = (self._doc_state, self._offset) if self._doc is not None else (self._parent.get_state(), 0)
     bins: list[list[np.ndarray]] = []
+    counts: list[np.ndarray | None] = []
     if self._method == "concat":
       room = self._seq_len
       pieces: list[np.ndarray] = []
+      counts = [self._new_counts()]
       while room and (n := self._peek()):
         if not pieces:
           self._round_start = (self._doc_state, self._offset)
-        pieces.append(self._take(min(n, room)))
+        pieces.append(self._take(min(n, room), counts[0]))
         room -= len(pieces[-1]) - 1
       bins = [pieces] if pieces else []
     else:
@@ -150,18 +154,22 @@ class _PackIterator(grain.DatasetIterator):
             break
           bins.append([])
           rooms.append(self._seq_len)
-        bins[i].append(self._take(n))
+          counts.append(self._new_counts())
+        bins[i].append(self._take(n, counts[i]))
         rooms[i] -= n
-    self._round, self._emitted = bins, 0
+    self._round, self._counts, self._emitted = bins, counts, 0
 
   def __next__(self) -> dict[str, np.ndarray]:
     if self._emitted == len(self._round):
       self._fill_round()
       if not self._round:
         raise StopIteration
-    pieces = self._round[self._emitted]
+    pieces, counts = self._round[self._emitted], self._counts[self._emitted]
     self._emitted += 1
-    return write_sequence(pieces, self._seq_len)
+    out = write_sequence(pieces, self._seq_len)
+    if counts is not None:
+      out[SOURCE_TOKENS] = counts
+    return out
 
   def get_state(self) -> dict[str, Any]:
     if self._emitted == len(self._round):  # Between rounds: the cursor is where the next round starts.
@@ -182,18 +190,18 @@ class _PackIterator(grain.DatasetIterator):
 
 
 class PackIterDataset(grain.IterDataset):
-  """Packs a parent of 1-D int32 documents (whole documents, BOS/EOS included) into dicts of FIELDS [seq_len]; [L, 2]
-  (token, source) documents add SOURCES."""
+  """Packs a parent of 1-D int32 documents (whole documents, BOS/EOS included) into dicts of FIELDS [seq_len]."""
 
   def __init__(self, parent: grain.IterDataset, seq_len: int, method: Literal["first_fit", "concat"] = "first_fit",
                long_documents: Literal["split", "truncate"] = "split", bins: int | None = None,
-               max_empty: int | None = None, starved: str = ""):
+               max_empty: int | None = None, starved: str = "", sources: int = 0):
     """`max_empty`: more documents than this in a row without a pair raise a DataError (`starved`, where {n} is
-    their number) instead of reading on forever."""
+    their number) instead of reading on forever. `sources` > 0: the parent gives (document, source index) pairs
+    (a mixture of that many sources) and each sequence adds SOURCE_TOKENS."""
     super().__init__(parent)
     if method not in ("first_fit", "concat"):
       raise ValueError(f"unknown packing method {method!r}")
-    self._args = (seq_len, method, long_documents, bins or default_bins(seq_len), max_empty, starved)
+    self._args = (seq_len, method, long_documents, bins or default_bins(seq_len), max_empty, starved, sources)
 
   def __iter__(self) -> _PackIterator:
     return _PackIterator(self._parent.__iter__(), *self._args)
