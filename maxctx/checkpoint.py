@@ -28,7 +28,7 @@ import errno
 import json
 import logging
 import time
-from typing import Any
+from typing import Any, Callable
 
 import grain
 import jax
@@ -37,6 +37,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.sharding import Mesh
 
+from maxctx import stages
 from maxctx.config import Config
 from maxctx.errors import CheckpointError
 from maxctx.params_io import check_params, check_tree, path_of as _path, read_params, why as _why
@@ -117,6 +118,7 @@ class Checkpoints:
     self._writing: int | None = None  # A step saved in the background and not yet known to be complete.
     self._to_delete: list[int] = []
     self._meta_cache: dict[int, dict] = {}
+    self._ends = stages.ends(config)
     self._report_incomplete()
     # create=False: a run that is refused must leave no directory behind; the first save creates it.
     options = ocp.CheckpointManagerOptions(
@@ -182,9 +184,11 @@ class Checkpoints:
 
   # -- Restore or initialise. --
 
-  def restore_or_init(self, trainer: Trainer, pipeline) -> TrainState:
-    """The newest readable checkpoint (restoring the data position into `pipeline`), else load_params, else init."""
-    abstract = trainer.abstract_state()
+  def restore_or_init(self, trainer_at: Callable[[int], Trainer],
+                      restore_data: Callable[[int, dict], None]) -> TrainState:
+    """The newest readable checkpoint, else load_params, else init. `trainer_at(step)`: the trainer that continues a
+    state after `step` steps (its stage's, with run.stages), into whose shardings the state is restored;
+    `restore_data(step, saved)` restores the data position saved with that step."""
     for i, step in enumerate(self._candidates):
       try:
         meta = self._read_meta(step)
@@ -193,6 +197,8 @@ class Checkpoints:
         self._corrupt(step, e, self._candidates[i + 1:])
         continue
       self._check_compatible(step, meta)
+      trainer = trainer_at(step)
+      abstract = trainer.abstract_state()
       check_tree(saved_tree, abstract, f"checkpoint step {step} in {self.directory}",
                  "the model.* keys differ from those of the run that saved it (see its config.yml); use a new "
                  "run.output_dir for a different model.")
@@ -203,7 +209,7 @@ class Checkpoints:
       except Exception as e:  # noqa: BLE001
         self._corrupt(step, e, self._candidates[i + 1:])
         continue
-      pipeline.restore(restored[DATA].state)
+      restore_data(step, restored[DATA].state)
       self._log_changes(step, meta)
       log.info("checkpoint: restored step %d from %s in %.1fs (saved on mesh %s, restored onto %s)", step,
                self.step_path(step), time.perf_counter() - t, meta.get("mesh"), dict(self._mesh.shape))
@@ -215,8 +221,9 @@ class Checkpoints:
       raise CheckpointError(f"no checkpoint in {self.directory} reads back (see the warnings above); move the "
                             "directory away, or set checkpoint.resume=never with checkpoint.overwrite=true to start "
                             "afresh.")
+    trainer = trainer_at(0)
     if self._config.checkpoint.load_params:
-      return self._load_params(trainer, abstract)
+      return self._load_params(trainer, trainer.abstract_state())
     return trainer.init(jax.random.key(self._config.run.seed))
 
   def _corrupt(self, step: int, e: BaseException, rest: list[int]) -> None:
@@ -249,9 +256,14 @@ class Checkpoints:
   # -- Saving. --
 
   def due(self, step: int) -> bool:
-    """Whether step `step` (the number of steps done) is a regular save: every checkpoint.every_steps, and the last."""
+    """Whether step `step` (the number of steps done) is a regular save: every checkpoint.every_steps, the end of
+    each stage (maxctx.stages) and the last."""
     c = self._config.checkpoint
-    return self.enabled and (step % c.every_steps == 0 or step == self._config.run.steps)
+    return self.enabled and (step % c.every_steps == 0 or step == self._config.run.steps or step in self._ends)
+
+  def on_mesh(self, mesh: Mesh) -> None:
+    """The mesh the next saves' metadata names (a stage's, with run.stages)."""
+    self._mesh = mesh
 
   def save(self, step: int, state: TrainState, data_state: dict, wait: bool = False) -> bool:
     """Saves `state` (after `step` steps) and the data position; async unless `wait`. False when saving is off.

@@ -22,7 +22,8 @@ from typing import Any, Literal
 
 import yaml
 
-from maxctx import config_yaml
+from maxctx import config_stages, config_yaml
+from maxctx.config_stages import STAGE_KEYS, StageSpec
 from maxctx.config_types import above, at_least, check, coerce, even, plain, record_type, rules, within
 from maxctx.errors import EXCERPT_CHARS, ConfigError, excerpt
 
@@ -56,6 +57,7 @@ class RunConfig:
   steps: int = rules(at_least(1))
   seed: int
   on_nan: Literal["stop", "skip"]
+  stages: tuple[StageSpec, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,6 +180,7 @@ class MetricsConfig:
 @dataclasses.dataclass(frozen=True)
 class EvalConfig:
   every_steps: int
+  at_stage_end: bool
   tasks: str
   lengths: str
   depths: str
@@ -210,7 +213,9 @@ class Config:
   compile: CompileConfig
 
   def to_dict(self) -> dict[str, Any]:
-    return plain(dataclasses.asdict(self))
+    tree = plain(dataclasses.asdict(self))
+    tree["run"]["stages"] = [s.entry() for s in self.run.stages]
+    return tree
 
   def to_yaml(self) -> str:
     return yaml.safe_dump(self.to_dict(), sort_keys=False)
@@ -220,6 +225,16 @@ class Config:
     tree = self.to_dict()
     for dotted, value in overrides.items():
       _set_dotted(tree, dotted, value, "replace()")
+    return _build(Config, tree, "")
+
+  def with_stage(self, i: int) -> Config:
+    """This config with the keys of run.stages[0..i] set in order: a stage changes what it names from the stage
+    before it (run.stages itself kept)."""
+    tree = self.to_dict()
+    for j in range(i + 1):
+      for dotted, value in self.run.stages[j].entry().items():
+        if dotted not in ("steps", "reset_schedule"):
+          _set_dotted(tree, dotted, value, f"run.stages[{j}]")
     return _build(Config, tree, "")
 
 
@@ -324,7 +339,12 @@ def load(path: str | pathlib.Path | None = None, overrides: list[str] | tuple[st
   for key, value in parsed:
     _set_dotted(tree, key, value, "the command line")
   tree["model"]["preset"] = preset or ""
-  return _build(Config, tree, "")
+  config = _build(Config, tree, "")
+  steps_set = "run.steps" in dict(parsed) or "steps" in (run_tree.get("run") or {})
+  if config.run.stages and not steps_set:   # run.steps of a staged run is its stages' sum unless the run says it
+    config = dataclasses.replace(config, run=dataclasses.replace(
+        config.run, steps=sum(s.steps for s in config.run.stages)))
+  return config
 
 
 def from_dict(tree: dict[str, Any]) -> Config:
@@ -354,6 +374,8 @@ def _build(cls: type, tree: dict[str, Any], prefix: str) -> Any:
       if not isinstance(tree[name], dict):
         raise ConfigError(f"config key {dotted} is a section and needs a mapping, not {excerpt(tree[name])}.")
       kwargs[name] = _build(tp, tree[name], dotted + ".")
+    elif tp == tuple[StageSpec, ...]:
+      kwargs[name] = config_stages.parse(tree[name], dotted, _schema_type, _build_records, _unknown_key_message)
     elif record := record_type(tp):
       kwargs[name] = _build_records(record, tree[name], dotted)
     else:
@@ -374,6 +396,18 @@ def _build_records(record: type, value: Any, dotted: str) -> tuple:
       raise ConfigError(f"config key {dotted}[{i}] expects a mapping of keys, got {excerpt(entry)}.")
     out.append(_build(record, entry, f"{dotted}[{i}]."))
   return tuple(out)
+
+
+def _schema_type(dotted: str) -> Any:
+  """The schema type of a dotted leaf key, or None if no such key."""
+  cls: Any = Config
+  parts = dotted.split(".")
+  for i, part in enumerate(parts):
+    hints = typing.get_type_hints(cls) if dataclasses.is_dataclass(cls) else {}
+    if part not in hints:
+      return None
+    cls = hints[part]
+  return None if dataclasses.is_dataclass(cls) else cls
 
 
 def schema_keys(cls: type = Config, prefix: str = "") -> list[str]:

@@ -146,7 +146,8 @@ def check(section: Any, prefix: str = "") -> None:
       continue
     if isinstance(value, tuple):   # a list of records
       for i, entry in enumerate(value):
-        check(entry, f"{prefix}{f.name}[{i}].")
+        if dataclasses.is_dataclass(entry):
+          check(entry, f"{prefix}{f.name}[{i}].")
       continue
     for rule in f.metadata.get("rules", ()):
       if (broken := rule(prefix + f.name, value)) is not None:

@@ -108,8 +108,9 @@ class Writer:
   def console(self, step: int, values: dict[str, float], eta_s: float | None) -> None:
     eta = "" if eta_s is None else f" | ETA {_duration(eta_s)}"
     peak = f" | peak {values['peak_memory_gib']:.1f} GiB" if "peak_memory_gib" in values else ""
-    log.info("step %d/%d | loss %.4f | %s tok/s | MFU %.1f%% | step %.3fs | lr %.2e | grad norm %.3f%s%s",
-             step, self.total_steps, values["loss"], f"{values['tokens_per_sec']:,.0f}", 100 * values["mfu"],
+    stage = f"stage {values['stage']:.0f} | " if "stage" in values else ""
+    log.info("%sstep %d/%d | loss %.4f | %s tok/s | MFU %.1f%% | step %.3fs | lr %.2e | grad norm %.3f%s%s",
+             stage, step, self.total_steps, values["loss"], f"{values['tokens_per_sec']:,.0f}", 100 * values["mfu"],
              values["step_time"], values["learning_rate"], values["grad_norm"], peak, eta)
 
   def flush(self) -> None:

@@ -8,11 +8,14 @@ import optax
 from maxctx.config import OptimConfig
 
 
-def schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
+def schedule(cfg: OptimConfig, total_steps: int, start: int = 0) -> optax.Schedule:
+  """Warm-up then cosine decay over `total_steps` updates counted from update `start` (a stage that resets the
+  schedule: maxctx.stages)."""
   decay = cfg.decay_steps or max(1, total_steps - cfg.warmup_steps)
-  return optax.warmup_cosine_decay_schedule(
+  curve = optax.warmup_cosine_decay_schedule(
       init_value=0.0, peak_value=cfg.lr, warmup_steps=cfg.warmup_steps,
       decay_steps=cfg.warmup_steps + decay, end_value=cfg.lr * cfg.min_lr_ratio)
+  return curve if start == 0 else (lambda count: curve(count - start))
 
 
 def _decay_mask(params):
@@ -22,11 +25,11 @@ def _decay_mask(params):
   return jax.tree_util.tree_map_with_path(keep, params)
 
 
-def build(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
+def build(cfg: OptimConfig, total_steps: int, start: int = 0) -> optax.GradientTransformation:
   parts = []
   if cfg.clip_norm > 0:
     parts.append(optax.clip_by_global_norm(cfg.clip_norm))
-  parts.append(optax.adamw(schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+  parts.append(optax.adamw(schedule(cfg, total_steps, start), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
                            weight_decay=cfg.weight_decay, mask=_decay_mask))
   return optax.chain(*parts)
 

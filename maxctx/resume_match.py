@@ -13,7 +13,8 @@ from typing import Any
 
 import jax
 
-from maxctx.config import Config
+from maxctx import stages
+from maxctx.config import Config, from_dict
 
 from maxctx.data import STREAM_KEYS
 from maxctx.errors import CheckpointError, excerpt
@@ -31,6 +32,13 @@ MUST_MATCH = (
 ADDED = {"data.mixture": [], "data.long_threshold": 0, "data.long_weight": 1.0}
 # Not a key but a fact about one: clipping adds a stage to the optimizer state's structure.
 CLIPS = "optim.clip_norm > 0"
+
+
+def _boundaries(config: Config | None, step: int) -> list[int]:
+  """The stage ends up to `step`: what decides which stage made each step so far."""
+  if config is None or not config.run.stages:
+    return []
+  return [s.end for s in stages.resolve(config) if s.end <= step]
 
 
 def _lookup(tree: dict[str, Any], dotted: str) -> Any:
@@ -97,8 +105,17 @@ def plan(config: Config, steps: list[int], where: Any) -> tuple[list[int], list[
 
 
 def check_compatible(config: Config, meta: dict, step: int, where: Any, step_path: Any) -> None:
-  """Refuses step `step` (in `where`, at `step_path`) of another run, judged by its saved metadata."""
-  saved, now = fingerprint(meta["config"]), fingerprint(config.to_dict())
+  """Refuses step `step` (in `where`, at `step_path`) of another run, judged by its saved metadata: with run.stages,
+  by the config of the stage that made the step, and the stage boundaries up to it."""
+  saved_config = from_dict(meta["config"]) if meta["config"].get("run", {}).get("stages") else None
+  if saved_config is not None or config.run.stages:
+    before, after = _boundaries(saved_config, step), _boundaries(config, step)
+    if before != after:
+      raise CheckpointError(f"run.stages ends stages at steps {after or 'none'} before step {step}, but the run that "
+                            f"saved {step_path} ended them at {before or 'none'}; change only stages after step "
+                            f"{step}, or use a new run.output_dir.")
+  saved = fingerprint(stages.stage_config(saved_config, step).to_dict() if saved_config else meta["config"])
+  now = fingerprint(stages.stage_config(config, step).to_dict())
   for key in now:
     if saved[key] != now[key]:
       # Parameters still fit a model of the same shape, so a changed data or seed setting can start from them.

@@ -15,16 +15,13 @@ lock for its whole life (maxctx.run_dir).
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import dataclasses
 import logging
 import os
 import pathlib
 import sys
-import time
 
 import jax
-import numpy as np
 
 from maxctx import attention
 from maxctx import checkpoint as checkpoint_lib
@@ -33,12 +30,14 @@ from maxctx import console
 from maxctx import data as data_lib
 from maxctx import distributed
 from maxctx import mesh as mesh_lib
-from maxctx import metrics as metrics_lib
 from maxctx import preemption as preemption_lib
 from maxctx import run_dir as run_dir_lib
+from maxctx import stages as stages_lib
+from maxctx.reporter import Reporter
 from maxctx.chips import HOST_MEMORY_SHARE
+from maxctx.eval import report as eval_report
 from maxctx.eval import sweep as eval_sweep
-from maxctx.errors import ArgumentParser, ConfigError, MaxctxError, exit_code
+from maxctx.errors import ArgumentParser, ConfigError, exit_code
 from maxctx.trainer import Trainer, TrainState, offloaded_bytes_per_device, validate
 
 log = logging.getLogger("maxctx")
@@ -75,49 +74,130 @@ def fit(config: config_lib.Config) -> Fit:
   """`run`, also returning the final state (maxctx.eval --train scores its parameters).
 
   Everything a user can get wrong (config, data, parameters to load, the run directory) is refused before the run
-  directory is written; config.yml, TensorBoard and checkpoints appear only once the state is restored or made."""
+  directory is written; config.yml, TensorBoard and checkpoints appear only once the state is restored or made.
+  With run.stages every stage is checked before anything compiles, and the run goes through them in order."""
   devices = jax.devices()
   out_dir = pathlib.Path(config.run.output_dir)
   run_dir_lib.check_writable(config.run.output_dir)
   config = _planned(config, devices, out_dir / "config.yml")
-  sizes = validate(config, len(devices), mesh_lib.num_slices_of(devices))
-  _check_host_memory(config, sizes)
-  mesh = mesh_lib.build_mesh(config.mesh, devices)
-  log.info("mesh %s on %d %s device(s)", dict(mesh.shape), len(devices), devices[0].device_kind)
+  validate(config, len(devices), mesh_lib.num_slices_of(devices))
+  runs = _Stages(config, devices)
+  for stage in runs.plan:
+    _check_host_memory(stage.config, dict(runs.mesh(stage).shape))
+  first = runs.plan[0]
+  log.info("mesh %s on %d %s device(s)", dict(runs.mesh(first).shape), len(devices), devices[0].device_kind)
 
-  with jax.set_mesh(mesh), preemption_lib.Preemption() as preemption:
-    trainer = Trainer(config, mesh)
-    pipeline = data_lib.build(config, mesh)
-    pipeline.check_first_batch()
-    evaluator = eval_sweep.during_training(config, mesh)  # None unless eval.every_steps; checked before compiling
+  with preemption_lib.Preemption() as preemption:
+    runs.check()
     if config.checkpoint.load_params:
-      checkpoint_lib.check_params(config.checkpoint.load_params, trainer.abstract_state().params)
+      checkpoint_lib.check_params(config.checkpoint.load_params, runs.trainer(first).abstract_state().params)
     # Holding the directory before Checkpoints looks at it: a second run must not clean up the first one's saves.
-    with run_dir_lib.RunDir(config.run.output_dir) as run_dir, checkpoint_lib.Checkpoints(config, mesh) as checkpoints:
+    with run_dir_lib.RunDir(config.run.output_dir) as run_dir, \
+        checkpoint_lib.Checkpoints(config, runs.mesh(first)) as checkpoints:
       preemption.before_start(run_dir.abandon)   # SIGTERM before the first step removes what the run wrote
-      state = checkpoints.restore_or_init(trainer, pipeline)
+      state = checkpoints.restore_or_init(runs.trainer_at, runs.restore_data)
       if jax.process_index() == 0:
         config_lib.save(config, out_dir)
       log.info("resolved config (saved to %s):\n%s", out_dir / "config.yml", config.to_yaml())
       start = int(jax.device_get(state.step))
       if start >= config.run.steps:
-        log.info("done already: the checkpoint is at step %d and run.steps is %d; raise run.steps to train on.", start,
-                 config.run.steps)
+        more = "add steps to the last of run.stages" if config.run.stages else "raise run.steps"
+        log.info("done already: the checkpoint is at step %d and run.steps is %d; %s to train on.", start,
+                 config.run.steps, more)
         return Fit([], state)
-      with _Reporter(config, len(devices)) as reporter:
-        state = _loop(config, trainer, pipeline, evaluator, state, start, checkpoints, preemption, reporter,
-                      run_dir)
+      with Reporter(config, len(devices)) as reporter:
+        for stage in runs.plan:
+          if stage.end <= start:
+            continue
+          state, stopped = runs.run(stage, state, max(start, stage.start), checkpoints, preemption, reporter, run_dir)
+          if stopped:
+            break
   if reporter.losses:
     log.info("done: %d steps, final loss %.4f; TensorBoard: tensorboard --logdir %s", len(reporter.losses),
              reporter.losses[-1], out_dir / "tensorboard")
   return Fit(reporter.losses, state)
 
 
-def _loop(config, trainer, pipeline, evaluator, state, start, checkpoints, preemption, reporter,
-          run_dir) -> TrainState:
-  """Steps from `start` to run.steps (or a preemption), saving and evaluating as configured; returns the last state."""
-  pending = None
-  for step in range(start, config.run.steps):
+class _Stages:
+  """Each stage's mesh, trainer, data and evaluator (a run without run.stages is one stage), and the boundary between
+  two stages: the state re-sharded onto the next mesh, each row's documents carried over to the next length, the
+  next step compiled at its first call. A run resumed at a boundary takes the same path from the checkpoint there."""
+
+  def __init__(self, config: config_lib.Config, devices):
+    self.config, self.devices = config, devices
+    self.plan = stages_lib.resolve(config)
+    self._meshes, self._trainers, self._evaluators = {}, {}, {}
+    self.pipeline = None      # the data of the stage running now
+    self._carried = None      # the last stage's data state, when the next stage has no pipeline yet
+
+  def mesh(self, stage: stages_lib.Stage):
+    if stage.index not in self._meshes:
+      self._meshes[stage.index] = mesh_lib.build_mesh(stage.config.mesh, self.devices)
+    return self._meshes[stage.index]
+
+  def trainer(self, stage: stages_lib.Stage) -> Trainer:
+    if stage.index not in self._trainers:
+      start, steps = stages_lib.schedule_span(self.plan, stage)
+      with jax.set_mesh(self.mesh(stage)):
+        self._trainers[stage.index] = Trainer(stage.config, self.mesh(stage), start, steps)
+    return self._trainers[stage.index]
+
+  def trainer_at(self, step: int) -> Trainer:
+    return self.trainer(stages_lib.at(self.plan, step))
+
+  def check(self) -> None:
+    """What the first step would find wrong, before the run directory is written: the first stage's first batch,
+    and every stage's evaluation sweep (its lengths on its mesh)."""
+    first = self.plan[0]
+    with jax.set_mesh(self.mesh(first)):
+      self.pipeline = data_lib.build(first.config, self.mesh(first))
+      self.pipeline.check_first_batch()
+    for stage in self.plan:
+      with jax.set_mesh(self.mesh(stage)):
+        self._evaluators[stage.index] = eval_sweep.during_training(stage.config, self.mesh(stage))
+
+  def _data(self, stage: stages_lib.Stage):
+    """The data of `stage`: the first stage's checked pipeline, or a new one."""
+    if stage.index != 0 or self.pipeline is None:
+      if self.pipeline is not None:
+        self.pipeline.close()
+      with jax.set_mesh(self.mesh(stage)):
+        self.pipeline = data_lib.build(stage.config, self.mesh(stage))
+    return self.pipeline
+
+  def restore_data(self, step: int, saved: dict) -> None:
+    """Restores the data position saved after `step` steps into the data of the stage that continues it; a position
+    saved by the stage before (a checkpoint at a boundary) is carried over."""
+    stage = stages_lib.at(self.plan, step)
+    self._data(stage).restore(saved, carry=stages_lib.producer(self.plan, step).index != stage.index)
+
+  def run(self, stage, state, start, checkpoints, preemption, reporter, run_dir) -> tuple[TrainState, bool]:
+    """Runs `stage` from step `start`; returns the last state and whether a preemption stopped the run."""
+    mesh, trainer = self.mesh(stage), self.trainer(stage)
+    checkpoints.on_mesh(mesh)
+    if self.config.run.stages:
+      reporter.enter(stage.config, stage.index)
+    with jax.set_mesh(mesh):
+      if self._carried is not None:   # entering this stage from the last one, in this process
+        log.info("%s: steps %d–%d at %d tokens, mesh %s, %s attention; compiling its step", stage.name, stage.start,
+                 stage.end, stage.config.data.seq_len, dict(mesh.shape), stage.config.attention.strategy)
+        state = jax.device_put(state, trainer.state_shardings)
+        self._data(stage).restore(self._carried, carry=True)
+        self._carried = None
+      state, stopped = _loop(stage, trainer, self.pipeline, self._evaluators.get(stage.index), state, start,
+                             checkpoints, preemption, reporter, run_dir)
+    if not stopped and stage.index + 1 < len(self.plan):
+      self._carried = self.pipeline.state()
+    return state, stopped
+
+
+def _loop(stage, trainer, pipeline, evaluator, state, start, checkpoints, preemption, reporter,
+          run_dir) -> tuple[TrainState, bool]:
+  """Steps from `start` to the stage's end (or a preemption), saving and evaluating as configured; returns the last
+  state and whether a preemption stopped the run."""
+  config = stage.config
+  pending, stop = None, False
+  for step in range(start, stage.end):
     state, step_metrics = trainer.step(state, next(pipeline))
     # shares: host floats over the batches since the last logged step, read (and reset) only on logged steps
     reporter.dispatched(step, {**step_metrics, **(pipeline.shares() if reporter.logs(step) else {})})
@@ -130,7 +210,9 @@ def _loop(config, trainer, pipeline, evaluator, state, start, checkpoints, preem
     done = step + 1
     stop = preemption.requested(done)
     save = stop or checkpoints.due(done)
-    evaluate = evaluator is not None and (done % config.eval.every_steps == 0 or done == config.run.steps)
+    every = config.eval.every_steps
+    evaluate = evaluator is not None and ((every > 0 and (done % every == 0 or done == config.run.steps))
+                                          or (config.eval.at_stage_end and done == stage.end))
     if save or evaluate:
       # A save or an eval waits for this step's state anyway, so its metrics cost nothing now; and a non-finite
       # step stops the run before its state is saved: every checkpoint holds a good state.
@@ -141,9 +223,7 @@ def _loop(config, trainer, pipeline, evaluator, state, start, checkpoints, preem
         reporter.writer.flush()  # A run killed after this save keeps every step's scalars up to it.
         checkpoints.save(done, state, pipeline.state(), wait=stop)
       if evaluate:
-        records = evaluator.run(state.params)
-        reporter.writer.scalars(done, eval_sweep.scalars(records))
-        log.info("eval at step %d: %s", done, eval_sweep.summary(records))
+        _evaluate(stage, evaluator, state, done, reporter)
       reporter.restart_clock()   # the save's or eval's host time is not the next step's
     if stop:
       then = "rerun the same command to continue" if checkpoints.enabled else "a rerun starts over"
@@ -152,15 +232,32 @@ def _loop(config, trainer, pipeline, evaluator, state, start, checkpoints, preem
   if pending is not None:
     reporter.report(pending, checkpoints)
   jax.block_until_ready(state)
-  return state
+  return state, stop
+
+
+def _evaluate(stage, evaluator, state, done: int, reporter) -> None:
+  """Scores the sweep on the state after `done` steps, logs it to TensorBoard, and at a stage's end (eval.at_stage_end)
+  writes its report and heatmaps under <run.output_dir>/eval/."""
+  records = evaluator.run(state.params)
+  reporter.writer.scalars(done, eval_sweep.scalars(records))
+  log.info("eval at step %d: %s", done, eval_sweep.summary(records))
+  config = stage.config
+  if config.eval.at_stage_end and done == stage.end and jax.process_index() == 0:
+    staged = reporter.stage is not None
+    where = f"stage-{stage.index + 1}" if staged else f"step-{done}"
+    title = (f"maxctx eval: {config.run.name} after {'stage ' + str(stage.index + 1) if staged else 'training'} "
+             f"(step {done}, trained at {config.data.seq_len} tokens)")
+    out = pathlib.Path(config.eval.output_dir or pathlib.Path(config.run.output_dir) / "eval") / where
+    written = eval_report.write(records, out, title)
+    log.info("eval: wrote %s", ", ".join(str(p) for p in written))
 
 
 def _planned(config: config_lib.Config, devices, saved: pathlib.Path) -> config_lib.Config:
   """`config`, with `attention.strategy: auto` or `model.remat: auto` planned on these devices (or the plan `saved`
   kept, for a resumed run). The planner is a tool that measures candidates here: imported only when a run says `auto`,
   so a run that names its strategy and policy loads none of it (tests/test_imports.py)."""
-  if config.attention.strategy != attention.AUTO and config.model.remat != "auto":
-    return config
+  if config.run.stages or (config.attention.strategy != attention.AUTO and config.model.remat != "auto"):
+    return config   # a stage's auto is refused by maxctx.stages.check
   from maxctx.plan import auto
   return auto.resolve(config, devices, saved)
 
@@ -188,94 +285,6 @@ def _check_host_memory(config: config_lib.Config, sizes: dict[str, int]) -> None
                       f"host's memory, more than {HOST_MEMORY_SHARE:.0%} of its {have / 2**20:,.0f} MiB; save one "
                       "input per pair of layers (model.remat_group=2), or use model.remat=full, more devices on "
                       "mesh.ici.context, or a shorter data.seq_len.")
-
-
-def _finished_at(step_metrics) -> float:
-  try:
-    jax.block_until_ready(step_metrics)
-  except Exception:  # noqa: BLE001 — the step's own failure is raised where its metrics are read.
-    pass
-  return time.perf_counter()
-
-
-class _Reporter:
-  """Reads each step's metrics (after the next step is dispatched) and writes them to the console and TensorBoard.
-
-  A step's time runs from the moment the step before it finished (or the clock restarted) to the moment it finished,
-  both seen by a thread that does nothing but wait for each dispatched step. The moment the main thread reads the
-  metrics is no clock: it lags whenever dispatch or the host is slow, and the step read right after it at a save
-  would then seem to take no time at all.
-  """
-
-  def __init__(self, config: config_lib.Config, n_devices: int):
-    m, d = config.model, config.data
-    self.config, self.n_devices = config, n_devices
-    self.flops = metrics_lib.flops_per_step(m, d.batch_size, d.seq_len)
-    self.peak, self.peak_source = metrics_lib.peak_tflops_per_device(config.metrics.peak_tflops, m.dtype)
-    log.info("model %s: %.3gM parameters; %.3g TFLOP per step; peak %.3g TFLOP/s per device (%s)",
-             m.preset or "custom", metrics_lib.param_count(m) / 1e6, self.flops / 1e12, self.peak, self.peak_source)
-    out_dir = pathlib.Path(config.run.output_dir)
-    self.writer = metrics_lib.Writer(out_dir / "tensorboard" if config.metrics.tensorboard else None,
-                                     config.run.steps)
-    self.losses: list[float] = []
-    self.steady: list[float] = []
-    self._clock = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="maxctx-step-clock")
-    self._dispatched: dict[int, tuple[dict, concurrent.futures.Future]] = {}
-    self.last_time = time.perf_counter()
-    self.first = True
-
-  def __enter__(self) -> _Reporter:
-    return self
-
-  def __exit__(self, *exc) -> None:
-    self._clock.shutdown(wait=True)
-    self.writer.close()
-
-  def dispatched(self, step: int, step_metrics: dict) -> None:
-    """Step `step` is on its way; its clock stops when it finishes."""
-    self._dispatched[step] = (step_metrics, self._clock.submit(_finished_at, step_metrics))
-
-  def logs(self, step: int) -> bool:
-    """Whether step `step` (0-based) is written to the console and TensorBoard."""
-    n = step + 1
-    return n % self.config.metrics.log_every == 0 or n == self.config.run.steps
-
-  def restart_clock(self) -> None:
-    """The next step's time counts from now: what the host did since the last step finished was not training."""
-    self.last_time = time.perf_counter()
-
-  def report(self, step: int, checkpoints: checkpoint_lib.Checkpoints) -> None:
-    """Fetches step `step`'s metrics and logs them; a non-finite step stops the run under run.on_nan=stop."""
-    config = self.config
-    step_metrics, finished = self._dispatched.pop(step)
-    values = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
-    end = finished.result()
-    step_time = end - self.last_time
-    self.last_time = end
-    if not self.first:  # The first step of a process includes compilation.
-      self.steady.append(step_time)
-    self.first = False
-    if not values.pop("finite"):
-      msg = f"step {step + 1}: loss is {values['loss']} (grad norm {values['grad_norm']})"
-      if config.run.on_nan == "stop":
-        checkpoints.wait()
-        raise MaxctxError(f"{msg}; the run stopped and {checkpoints.last_good()}. Lower optim.lr or set "
-                          "run.on_nan=skip to skip such updates.")
-      log.warning("%s; update skipped (run.on_nan=skip).", msg)
-    self.losses.append(values["loss"])
-    tokens = config.data.batch_size * config.data.seq_len
-    values["step_time"] = step_time
-    values["tokens_per_sec"] = tokens / step_time
-    values["tflops_per_device"] = self.flops / step_time / self.n_devices / 1e12
-    values["mfu"] = values["tflops_per_device"] / self.peak if self.peak else 0.0
-    values.pop("tokens")
-    n = step + 1
-    if self.logs(step):
-      if (peak := metrics_lib.peak_memory_gib()) is not None:   # read only on the steps that log it
-        values["peak_memory_gib"] = peak
-      self.writer.scalars(n, values)
-      typical = float(np.median(self.steady)) if self.steady else step_time
-      self.writer.console(n, values, typical * (config.run.steps - n))
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
-from maxctx import attention, chunks, mesh as mesh_lib, optim, sharding
+from maxctx import attention, chunks, mesh as mesh_lib, optim, sharding, stages as stages_lib
 from maxctx import config as config_lib
 from maxctx.config import Config
 from maxctx.data import mixture as data_mixture
@@ -30,9 +30,18 @@ class TrainState:
 
 def validate(config: Config, num_devices: int, num_slices: int = 1, platform: str | None = None) -> dict[str, int]:
   """The one check of a run against its devices, before anything is read, written or compiled: each part's own rules,
-  once, with one-sentence errors. Returns the mesh axis sizes. `platform` is the one the step will run on (default:
-  this process's backend; `tpu` when compiling ahead of time from a CPU)."""
+  once, with one-sentence errors. Returns the mesh axis sizes (the first stage's, with run.stages, whose every stage
+  is checked so). `platform` is the one the step will run on (default: this process's backend; `tpu` when compiling
+  ahead of time from a CPU)."""
   config_lib.check(config)                                   # each key's value on its own
+  if config.run.stages:
+    sizes = []
+    for stage in stages_lib.check(config):                   # the schedule, then each stage as a run of its own
+      try:
+        sizes.append(validate(stage.config, num_devices, num_slices, platform))
+      except ConfigError as e:
+        raise ConfigError(f"{stage.name} (steps {stage.start}–{stage.end}): {e}") from None
+    return sizes[0]
   data_mixture.check(config)                                 # data.source and data.mixture name one stream
   if config.model.remat == "auto":
     raise ConfigError("model.remat auto is resolved only by maxctx.train, which measures the policies on the devices "
@@ -180,15 +189,20 @@ class Trainer:
   """Holds the compiled pieces of a run: model, optimizer, shardings, and the jitted init and step."""
   config: Config
   mesh: Mesh
+  # The learning-rate schedule spans run.steps from update 0, or, for a stage that resets it, its own steps from its
+  # first (maxctx.stages).
+  schedule_start: int = 0
+  schedule_steps: int | None = None
 
   def __post_init__(self):
     self.model = build_model(self.config, self.mesh)
-    self.tx = optim.build(self.config.optim, self.config.run.steps)
-    self.lr_schedule = optim.schedule(self.config.optim, self.config.run.steps)
+    steps = self.schedule_steps or self.config.run.steps
+    self.tx = optim.build(self.config.optim, steps, self.schedule_start)
+    self.lr_schedule = optim.schedule(self.config.optim, steps, self.schedule_start)
     abstract = jax.eval_shape(self._init_boxed, jax.random.key(0))
     self.state_shardings = sharding.tree_shardings(self.mesh, abstract)
     self.batch_shardings = sharding.batch_sharding(self.mesh)
-    self.init = jax.jit(lambda rng: nn.unbox(self._init_boxed(rng)), out_shardings=self.state_shardings)
+    self._init = jax.jit(lambda rng: nn.unbox(self._init_boxed(rng)), out_shardings=self.state_shardings)
     self.step = jax.jit(self._step, in_shardings=(self.state_shardings, self.batch_shardings),
                         out_shardings=(self.state_shardings, sharding.replicated(self.mesh)), donate_argnums=(0,))
 
@@ -196,10 +210,17 @@ class Trainer:
     params = init_params(self.model, rng, self.config.data.seq_len)
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=self.tx.init(params))
 
+  def init(self, rng) -> TrainState:
+    """A fresh state (step 0) from `rng`, on this trainer's mesh."""
+    with jax.set_mesh(self.mesh):   # a stage's trainer may be asked while another stage's mesh is current
+      return self._init(rng)
+
   def abstract_state(self) -> TrainState:
     """The train state's shapes, dtypes and shardings, without allocating it."""
-    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                        jax.eval_shape(self.init, jax.random.key(0)), self.state_shardings)
+    with jax.set_mesh(self.mesh):
+      shapes = jax.eval_shape(self._init, jax.random.key(0))
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes,
+                        self.state_shardings)
 
   def loss_sum(self, params, batch):
     """(summed token loss, token count) of a batch."""

@@ -50,7 +50,8 @@ def _restore(out_dir, *overrides):
   c = _config(out_dir, *overrides)
   mesh = mesh_lib.build_mesh(c.mesh)
   with jax.set_mesh(mesh), checkpoint.Checkpoints(c, mesh) as ckpt:
-    state = ckpt.restore_or_init(Trainer(c, mesh), data.build(c, mesh))
+    trainer, pipeline = Trainer(c, mesh), data.build(c, mesh)
+    state = ckpt.restore_or_init(lambda step: trainer, lambda step, saved: pipeline.restore(saved))
     return jax.device_get(state), ckpt
 
 

@@ -159,7 +159,7 @@ def _restored_on(out_dir, mesh_name):
   with jax.set_mesh(mesh), checkpoint.Checkpoints(c, mesh) as ckpt:
     trainer = Trainer(c, mesh)
     pipeline = data.build(c, mesh)
-    state = ckpt.restore_or_init(trainer, pipeline)
+    state = ckpt.restore_or_init(lambda step: trainer, lambda step, saved: pipeline.restore(saved))
     for leaf, want in zip(jax.tree.leaves(state), jax.tree.leaves(trainer.state_shardings)):
       assert leaf.sharding == want
     batch = jax.device_get(next(pipeline))

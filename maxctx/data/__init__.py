@@ -141,14 +141,20 @@ class Pipeline(Iterator[dict[str, jax.Array]]):
     return {"version": STATE_VERSION, "step": self._step, "rows": list(self.rows), "config": self._fingerprint(),
             "iterator": it}
 
-  def restore(self, state: dict) -> None:
+  def restore(self, state: dict, carry: bool = False) -> None:
+    """Continues exactly after the batch `state` was taken at. `carry`: the state is the previous stage's (run.stages,
+    checked by maxctx.stages): each row's documents continue from where that stage stopped reading, packed at this
+    stage's length, and a mixture's shares count afresh under this stage's weights."""
     if state.get("version") != STATE_VERSION:
       raise CheckpointError(f"the data iterator state has version {state.get('version')}, this maxctx reads "
                             f"{STATE_VERSION}; resume with the maxctx that saved it or set checkpoint.resume=never.")
+    if carry:
+      state = _carried(state, self.rows)
     saved, now = state["config"], self._fingerprint()
     for k in now:
-      # A key an older state did not keep was checked against the checkpoint's config already (resume_match).
-      if k in saved and saved[k] != now[k]:
+      # A key an older state did not keep was checked against the checkpoint's config already (resume_match); a
+      # carried state's keys are the last stage's.
+      if k in saved and saved[k] != now[k] and not carry:
         raise CheckpointError(f"the data iterator state was saved with {k}={saved.get(k)!r} but this run has "
                               f"{now[k]!r}; resume with the same data settings or set checkpoint.resume=never.")
     it = state["iterator"]
@@ -166,6 +172,29 @@ class Pipeline(Iterator[dict[str, jax.Array]]):
     self._step = int(state["step"])
     if self._source_tokens is not None:   # batches made before a rewind are made again
       self._source_tokens[:] = 0
+
+
+def _carried(state: dict, rows: Sequence[int]) -> dict:
+  """The previous stage's state as a starting point for this stage: each row's packer restarts at its cursor (no
+  sequence of the old length is left to send), a mixture's per-source pair counts restart at 0, and a generated
+  source's rows (all at the same batch index) give any new row their index."""
+  by_row = state["iterator"].get("by_row")
+  if by_row is None:
+    raise CheckpointError("the data iterator state was saved with data.num_workers > 0, which a stage of another "
+                          "length cannot continue; resume with data.num_workers: 0.")
+
+  def carry(s):
+    if isinstance(s, dict) and "emitted" in s and "offset" in s:   # a packer's state
+      cursor = s.get("next", {"parent": s["parent"], "offset": s["offset"]})
+      parent = cursor["parent"]
+      if isinstance(parent, dict) and "taken" in parent:           # a mixture's
+        parent = {**parent, "taken": [0] * len(parent["taken"])}
+      return {"parent": parent, "offset": cursor["offset"], "emitted": 0}
+    return s
+
+  any_row = next(iter(by_row.values()))
+  out = {str(r): carry(by_row.get(str(r), any_row)) for r in rows}
+  return {**state, "rows": list(rows), "iterator": {"by_row": out}}
 
 
 def _ranges(rows: Sequence[int]) -> str:

@@ -172,10 +172,13 @@ class _PackIterator(grain.DatasetIterator):
     return out
 
   def get_state(self) -> dict[str, Any]:
-    if self._emitted == len(self._round):  # Between rounds: the cursor is where the next round starts.
-      start = (self._doc_state, self._offset) if self._doc is not None else (self._parent.get_state(), 0)
-      return {"parent": start[0], "offset": start[1], "emitted": 0}
-    return {"parent": self._round_start[0], "offset": self._round_start[1], "emitted": self._emitted}
+    # The cursor: where the next round starts. `next` keeps it mid-round too, where a stage of another length
+    # continues (maxctx.data.Pipeline.restore, carry=True), leaving the round's unsent sequences unused.
+    cursor = (self._doc_state, self._offset) if self._doc is not None else (self._parent.get_state(), 0)
+    if self._emitted == len(self._round):  # Between rounds
+      return {"parent": cursor[0], "offset": cursor[1], "emitted": 0}
+    return {"parent": self._round_start[0], "offset": self._round_start[1], "emitted": self._emitted,
+            "next": {"parent": cursor[0], "offset": cursor[1]}}
 
   def set_state(self, state: dict[str, Any]) -> None:
     self._parent.set_state(state["parent"])

@@ -126,8 +126,9 @@ def scalars(records: Sequence[dict]) -> dict[str, float]:
 
 
 def during_training(config: Config, mesh: Mesh) -> Sweep | None:
-  """The sweep the training loop runs every eval.every_steps steps (None when it is 0); built before compiling."""
-  if config.eval.every_steps <= 0:
+  """The sweep the training loop runs every eval.every_steps steps and, with eval.at_stage_end, at each stage's end
+  (None when neither); built before compiling."""
+  if config.eval.every_steps <= 0 and not config.eval.at_stage_end:
     return None
   return Sweep(config, mesh, Plan.from_config(config))
 
