@@ -56,7 +56,8 @@ def run_file(d: pathlib.Path, out: pathlib.Path, stage_list: list[dict], **secti
                    "prefetch": 0, "mixture": _mixture(d, 3, 1)},
           "optim": {"lr": 3.0e-3, "warmup_steps": 2},
           "checkpoint": {"every_steps": 6, "keep": 10},
-          "metrics": {"log_every": 1, "peak_tflops": 1}}
+          "metrics": {"log_every": 1, "peak_tflops": 1},
+          "compile": {}}
   for section, keys in sections.items():
     tree[section].update(keys)
   path = out.parent / f"{out.name}.yml"
@@ -246,3 +247,26 @@ def test_three_stages_run_in_one_process_and_resume_bit_for_bit_after_sigkill_in
   assert set(range(5, 11)) <= set(seen)
   for step, loss in sorted(seen.items()):
     assert loss == losses[step], f"step {step}: {loss} after resuming, {losses[step]} uninterrupted"
+
+
+def test_compile_compiles_each_stage_as_its_own_step(corpus, tmp_path, monkeypatch, capsys):
+  """python -m maxctx.compile on a staged run compiles every stage's step (its length, mesh and strategy), not the
+  run file's top-level keys; the TPU compile itself is tests/test_compile.py's."""
+  from maxctx.compile import __main__ as compile_main
+  asked = []
+
+  class Report:
+    def __init__(self, c):
+      self.c = c
+
+  def compile_for(c):
+    asked.append((c.data.seq_len, c.attention.strategy, c.mesh.ici.context, c.model.rope_theta))
+    return Report(c)
+
+  monkeypatch.setattr(compile_main.compile_step, "compile_for", compile_for)
+  monkeypatch.setattr(compile_main, "format_report", lambda r: f"report of {r.c.data.seq_len} tokens")
+  path = run_file(corpus, tmp_path / "run", three_stages(corpus), compile={"topology": "v5p:2x2x1"})
+  assert compile_main.main([str(path)]) == 0
+  theta = cfg.load(path).model.rope_theta
+  assert asked == [(64, "all_gather", 2, theta), (128, "ring", 4, theta), (256, "usp", 4, 40000.0)]
+  assert capsys.readouterr().out.split("\n")[:3] == [f"report of {n} tokens" for n in (64, 128, 256)]

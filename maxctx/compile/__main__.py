@@ -18,7 +18,7 @@ import pathlib
 import sys
 
 from maxctx import console
-from maxctx import resume_match
+from maxctx import resume_match, stages
 from maxctx.compile import step as compile_step
 from maxctx.compile.report import format_report
 from maxctx.plan import auto as plan_auto
@@ -57,6 +57,15 @@ def main(argv: list[str] | None = None) -> int:
 
   def body():
     config = compile_step.load(args.config, args.overrides)
+    if config.run.stages:   # each stage is its own step: its length, mesh, strategy and remat
+      reports = []
+      for stage in stages.check(config):
+        log.info("compiling %s (%s, %d tokens) for %s ...", args.config, stage.name, stage.config.data.seq_len,
+                 config.compile.topology)
+        reports.append(compile_step.compile_for(stage.config))
+      print(json.dumps([r.to_json() for r in reports], indent=2) if args.json else
+            "\n".join(format_report(r) for r in reports))
+      return
     if plan_auto.is_auto(config):
       # The planner for the slice compiles the candidates, the chosen one among them: its report is this command's.
       keys = plan_auto.planned_keys(config)
