@@ -19,7 +19,7 @@ import jax
 import numpy as np
 import pytest
 
-from maxctx import config, convert, data, hf, mesh as mesh_lib, model as model_lib, train
+from maxctx import config, convert, data, hf, mesh as mesh_lib, model as model_lib, params_io, train
 from maxctx.attention import layout
 from maxctx.convert.__main__ import main as convert_main
 from maxctx.errors import CheckpointError
@@ -131,7 +131,8 @@ def test_context_extension_run_exports_a_model_transformers_reproduces_at_the_ne
   train.run(c)
   step = tmp_path / "run" / "checkpoints" / "2"
   # Export takes the RoPE settings of the run stage (run.stages) that made this many steps.
-  assert convert.steps_done(step) == convert.steps_done(step / "state") == 2 and convert.steps_done(out) == 0
+  assert params_io.steps_done(str(step)) == params_io.steps_done(str(step / "state")) == 2
+  assert params_io.steps_done(str(out)) == 0
   assert convert_main(["export", str(step), str(tmp_path / "run" / "config.yml"), str(tmp_path / "hf_out")]) == 0
 
   written = json.loads((tmp_path / "hf_out" / "config.json").read_text())

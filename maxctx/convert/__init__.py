@@ -154,16 +154,6 @@ def _save_safetensors(state_dict: dict[str, np.ndarray], out_dir: pathlib.Path) 
   (out_dir / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
 
 
-def steps_done(params_dir: str | pathlib.Path) -> int:
-  """Steps trained to make the parameters at `params_dir`: a training checkpoint step's number
-  (`<run>/checkpoints/<step>`, or its `state/`), 0 for any other parameters directory (an import's)."""
-  from maxctx import params_io
-
-  path = params_io.path_of(str(params_dir))
-  step_dir = path.parent if path.name == params_io.STATE else path
-  return int(step_dir.name) if step_dir.name.isdigit() and (step_dir / params_io.STATE).is_dir() else 0
-
-
 def producing_config(config: config_lib.Config, done: int) -> config_lib.Config:
   """The config of the run's stage whose steps made a state after `done` steps (run.stages): its RoPE settings and
   length are what the exported model must compute with. A run without stages is its own config."""
@@ -179,7 +169,9 @@ def export_hf(params_dir: str | pathlib.Path, config_path: str | pathlib.Path, h
 
   config.json holds the RoPE settings of the stage that made the exported step, and a max_position_embeddings of at
   least that stage's data.seq_len."""
-  config = producing_config(config_lib.load(config_path, overrides), steps_done(params_dir))
+  from maxctx import params_io
+
+  config = producing_config(config_lib.load(config_path, overrides), params_io.steps_done(str(params_dir)))
   model_cfg = config.model
   out = pathlib.Path(hf_out_dir)
   if out.exists() and any(out.iterdir()):
