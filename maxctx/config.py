@@ -74,10 +74,10 @@ class ModelConfig:
   norm_eps: float = rules(above(0))
   rope_theta: float = rules(above(0))
   rope_scaling: bool
-  rope_factor: float
-  rope_low_freq_factor: float
-  rope_high_freq_factor: float
-  rope_original_context: int
+  rope_factor: float = rules(above(0))
+  rope_low_freq_factor: float = rules(above(0))
+  rope_high_freq_factor: float = rules(above(0))
+  rope_original_context: int = rules(at_least(1))
   init_std: float = rules(above(0))
   dtype: Literal["float32", "bfloat16"]
   param_dtype: Literal["float32", "bfloat16"]

@@ -99,12 +99,16 @@ def model_config_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
   return out
 
 
-def hf_config_from_model(cfg: ModelConfig, max_position_embeddings: int = 131072,
+# Llama 3.1's context, the least max_position_embeddings an export claims (RoPE has no table to size, so it is not a
+# maxctx setting; transformers only warns when the llama3 original context is not below it).
+MAX_POSITION_EMBEDDINGS = 131072
+
+
+def hf_config_from_model(cfg: ModelConfig, max_position_embeddings: int = MAX_POSITION_EMBEDDINGS,
                          dtype: str | None = None) -> dict[str, Any]:
-  """config.json content for a LlamaForCausalLM with `cfg`'s dimensions.
+  """config.json content for a LlamaForCausalLM with `cfg`'s dimensions and RoPE settings.
 
   Written in the transformers 4 / Hub layout (top-level rope_theta, rope_scaling), which transformers 5 also reads.
-  `max_position_embeddings` is not a maxctx setting (RoPE has no table to size); 131072 is Llama 3.1's value.
   """
   rope_scaling = None
   if cfg.rope_scaling:

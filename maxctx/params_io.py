@@ -104,6 +104,15 @@ def _params_dir(name: str, what: str) -> epath.Path:
   return path
 
 
+def steps_done(name: str) -> int:
+  """Steps trained to make the parameters at `name`: a training checkpoint step's number (`<run>/checkpoints/<step>`
+  or its `state/`), 0 for any other parameters directory (an import's). With run.stages it picks the stage whose
+  settings (RoPE, length) computed them."""
+  path = path_of(name)
+  step_dir = path.parent if path.name == STATE else path
+  return int(step_dir.name) if step_dir.name.isdigit() and (step_dir / STATE).is_dir() else 0
+
+
 def _tree(checkpointer, path: epath.Path, what: str) -> Any:
   where = f"{what} {path}"
   try:

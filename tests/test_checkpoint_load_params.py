@@ -2,11 +2,14 @@
 `checkpoint.load_params=<out>`.
 
 Acceptance (issue 5, item 5): the first training loss equals the loss transformers' logits give on the same batch,
-and parameters that do not fit the model are refused with a sentence naming the parameter.
+and parameters that do not fit the model are refused with a sentence naming the parameter. Issue 35, item 6: a run
+that extends the imported model's context with new RoPE settings exports a model whose logits transformers
+reproduces at the new length.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -16,12 +19,16 @@ import jax
 import numpy as np
 import pytest
 
-from maxctx import config, convert, data, hf, mesh as mesh_lib, train
+from maxctx import config, convert, data, hf, mesh as mesh_lib, model as model_lib, params_io, train
 from maxctx.attention import layout
+from maxctx.convert.__main__ import main as convert_main
 from maxctx.errors import CheckpointError
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
+
+HF_CONTEXT = 64   # the HF model's max_position_embeddings, the length it was "pre-trained" at
+THETA = 10000.0
 
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory):
@@ -31,7 +38,7 @@ def imported(tmp_path_factory):
   torch.manual_seed(0)
   cfg = transformers.LlamaConfig(
       vocab_size=512, hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
-      num_key_value_heads=2, head_dim=16, max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=10000.0,
+      num_key_value_heads=2, head_dim=16, max_position_embeddings=HF_CONTEXT, rms_norm_eps=1e-5, rope_theta=THETA,
       rope_scaling=None, tie_word_embeddings=False, attn_implementation="eager")
   model = transformers.LlamaForCausalLM(cfg).eval()
   with torch.no_grad():
@@ -46,7 +53,7 @@ def imported(tmp_path_factory):
 def _config(out_dir, imported_dir, *overrides):
   model = hf.model_config_from_hf(json.loads((imported_dir.parent / "hf" / "config.json").read_text()))
   return config.load("configs/demo.yml", [
-      f"run.output_dir={out_dir}", f"checkpoint.load_params={imported_dir}", "run.steps=1", "data.seq_len=64",
+      f"run.output_dir={out_dir}", f"checkpoint.load_params={imported_dir}", "run.steps=1", f"data.seq_len={HF_CONTEXT}",
       "model.dtype=float32", "attention.kernel=reference", "metrics.tensorboard=false",
       *[f"{k}={v}" for k, v in model.items()], *overrides])
 
@@ -100,3 +107,51 @@ def test_load_params_that_do_not_fit_the_model_name_the_parameter(tmp_path, impo
   with pytest.raises(CheckpointError, match=r"has no parameter layers_0.attn.wk \(shape \(64, 2, 16\)\), which the "
                                             r"model has"):
     train.run(_config(tmp_path, out, "model.scan_layers=false"))
+
+
+def _maxctx_logits(params, cfg, tokens_BT: np.ndarray) -> np.ndarray:
+  positions = np.broadcast_to(np.arange(tokens_BT.shape[1], dtype=np.int32), tokens_BT.shape)
+  @jax.jit
+  def apply(params, tokens_BT, segment_ids_BT, positions_BT):
+    x_BTD = model_lib.Transformer(cfg).apply({"params": params}, tokens_BT, segment_ids_BT, positions_BT)
+    return model_lib.logits(params, x_BTD)
+  return np.asarray(apply(params, tokens_BT, np.ones_like(tokens_BT), positions))
+
+
+def test_context_extension_run_exports_a_model_transformers_reproduces_at_the_new_length(tmp_path, imported):
+  """import → a run at 4× the HF model's context with a 4× RoPE base and llama3 scaling from that context
+  (checkpoint.load_params from the import) → `python -m maxctx.convert export` of its last step → transformers loads
+  it, and its float32 logits at the new length equal maxctx's on the same parameters within the parity test's 1e-4."""
+  hf_model, out = imported
+  new_len = 4 * HF_CONTEXT
+  rope_keys = {"rope_theta": 4 * THETA, "rope_scaling": True, "rope_factor": 4.0, "rope_low_freq_factor": 1.0,
+               "rope_high_freq_factor": 4.0, "rope_original_context": HF_CONTEXT}
+  c = _config(tmp_path / "run", out, "run.steps=2", "checkpoint.every_steps=2", f"data.seq_len={new_len}",
+              *[f"model.{k}={v}" for k, v in rope_keys.items()])
+  train.run(c)
+  step = tmp_path / "run" / "checkpoints" / "2"
+  # Export takes the RoPE settings of the run stage (run.stages) that made this many steps.
+  assert params_io.steps_done(str(step)) == params_io.steps_done(str(step / "state")) == 2
+  assert params_io.steps_done(str(out)) == 0
+  assert convert_main(["export", str(step), str(tmp_path / "run" / "config.yml"), str(tmp_path / "hf_out")]) == 0
+
+  written = json.loads((tmp_path / "hf_out" / "config.json").read_text())
+  assert written["rope_theta"] == 4 * THETA and written["max_position_embeddings"] >= new_len
+  assert written["rope_scaling"] == {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
+                                     "high_freq_factor": 4.0, "original_max_position_embeddings": HF_CONTEXT}
+  exported = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf_out", attn_implementation="eager",
+                                                           dtype=torch.float32).eval()
+  tokens = np.random.default_rng(1).integers(0, c.model.vocab_size, (2, new_len)).astype(np.int32)
+  with torch.no_grad():
+    want = exported(torch.from_numpy(tokens).long()).logits.numpy()
+  params = convert.read_params(step, c)
+  err = np.abs(_maxctx_logits(params, c.model, tokens) - want).max()
+  assert err <= 1e-4, f"max abs logit error {err:.2e} at {new_len} tokens"
+
+  # The comparison sees the RoPE change: the same parameters under the imported settings, or without the scaling,
+  # are far from transformers' logits.
+  for before in ({"rope_theta": THETA, "rope_scaling": False}, {"rope_scaling": False}):
+    stale = _maxctx_logits(params, dataclasses.replace(c.model, **before), tokens)
+    assert np.abs(stale - want).max() > 100 * 1e-4, before
+  assert not np.array_equal(exported.state_dict()["lm_head.weight"].numpy(),
+                            hf_model.state_dict()["lm_head.weight"].numpy())   # it trained

@@ -15,6 +15,11 @@ from maxctx.errors import ConfigError
     ("mesh.ici.fsdp=0", "mesh.ici.fsdp is 0; each axis size must be a positive integer or -1 (inferred)."),
     ("compile.num_slices=0", "compile.num_slices is 0; it must be at least 1 (a job has at least one slice)."),
     # Unchanged sentences of rules that moved beside their keys.
+    # llama3 RoPE scaling divides by each of these: 0 made infinite frequencies, so every loss was nan. A stage that
+    # changes them (run.stages) is checked by the same rule.
+    ("model.rope_factor=0", "model.rope_factor is 0; it must be above 0."),
+    ("model.rope_high_freq_factor=-1", "model.rope_high_freq_factor is -1; it must be above 0."),
+    ("model.rope_original_context=0", "model.rope_original_context is 0; it must be at least 1."),
     ("model.head_dim=7", "model.head_dim 7 must be even for rotary embeddings."),
     ("data.seq_len=1", "data.seq_len is 1; it must be at least 2 (a sequence needs at least 2 tokens (an input and "
                        "its target))."),

@@ -8,8 +8,8 @@ are not a multiple of the KV heads) is refused before anything is written.
 
 export reads params as training's checkpoint.load_params does (maxctx.params_io: the params pytree, or a training
 checkpoint step whose 'params' subtree alone is read), and writes safetensors (5 GB shards with an index above that)
-and a config.json that transformers' LlamaForCausalLM.from_pretrained loads. Tokenizer files are not touched; copy
-them alongside.
+and a config.json that transformers' LlamaForCausalLM.from_pretrained loads, with the RoPE settings of the run stage
+(run.stages) that trained the exported step. Tokenizer files are not touched; copy them alongside.
 """
 
 from __future__ import annotations
@@ -154,10 +154,24 @@ def _save_safetensors(state_dict: dict[str, np.ndarray], out_dir: pathlib.Path) 
   (out_dir / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
 
 
+def producing_config(config: config_lib.Config, done: int) -> config_lib.Config:
+  """The config of the run's stage whose steps made a state after `done` steps (run.stages): its RoPE settings and
+  length are what the exported model must compute with. A run without stages is its own config."""
+  if not getattr(config.run, "stages", ()):
+    return config
+  from maxctx import stages
+  return stages.stage_config(config, done)
+
+
 def export_hf(params_dir: str | pathlib.Path, config_path: str | pathlib.Path, hf_out_dir: str | pathlib.Path,
               overrides: list[str] | tuple[str, ...] = (), dtype: str | None = None) -> pathlib.Path:
-  """Orbax params + the run's model config → a HF directory from_pretrained loads; returns that directory."""
-  config = config_lib.load(config_path, overrides)
+  """Orbax params + the run's model config → a HF directory from_pretrained loads; returns that directory.
+
+  config.json holds the RoPE settings of the stage that made the exported step, and a max_position_embeddings of at
+  least that stage's data.seq_len."""
+  from maxctx import params_io
+
+  config = producing_config(config_lib.load(config_path, overrides), params_io.steps_done(str(params_dir)))
   model_cfg = config.model
   out = pathlib.Path(hf_out_dir)
   if out.exists() and any(out.iterdir()):
@@ -165,6 +179,7 @@ def export_hf(params_dir: str | pathlib.Path, config_path: str | pathlib.Path, h
   state_dict = hf.hf_from_params(read_params(params_dir, config), model_cfg, dtype=dtype)
   out.mkdir(parents=True, exist_ok=True)
   _save_safetensors(state_dict, out)
-  hf_config = hf.hf_config_from_model(model_cfg, dtype=dtype or str(next(iter(state_dict.values())).dtype))
+  hf_config = hf.hf_config_from_model(model_cfg, max(hf.MAX_POSITION_EMBEDDINGS, config.data.seq_len),
+                                      dtype=dtype or str(next(iter(state_dict.values())).dtype))
   (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
   return out
