@@ -177,10 +177,10 @@ class _Stages:
     checkpoints.on_mesh(mesh)
     if self.config.run.stages:
       reporter.enter(stage.config, stage.index)
+      log.info("%s: steps %d–%d at %d tokens, mesh %s, %s attention; compiling its step", stage.name, stage.start,
+               stage.end, stage.config.data.seq_len, dict(mesh.shape), stage.config.attention.strategy)
     with jax.set_mesh(mesh):
       if self._carried is not None:   # entering this stage from the last one, in this process
-        log.info("%s: steps %d–%d at %d tokens, mesh %s, %s attention; compiling its step", stage.name, stage.start,
-                 stage.end, stage.config.data.seq_len, dict(mesh.shape), stage.config.attention.strategy)
         state = jax.device_put(state, trainer.state_shardings)
         self._data(stage).restore(self._carried, carry=True)
         self._carried = None

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 import pytest
 
-from maxctx import config, convert, data, hf, mesh as mesh_lib, model as model_lib, params_io, train
+from maxctx import config, convert, data, hf, mesh as mesh_lib, model as model_lib, params_io, stages, train
 from maxctx.attention import layout
 from maxctx.convert.__main__ import main as convert_main
 from maxctx.errors import CheckpointError
@@ -119,16 +119,20 @@ def _maxctx_logits(params, cfg, tokens_BT: np.ndarray) -> np.ndarray:
 
 
 def test_context_extension_run_exports_a_model_transformers_reproduces_at_the_new_length(tmp_path, imported):
-  """import → a run at 4× the HF model's context with a 4× RoPE base and llama3 scaling from that context
-  (checkpoint.load_params from the import) → `python -m maxctx.convert export` of its last step → transformers loads
+  """import → a two-stage run (checkpoint.load_params from the import): a step at the HF model's context, then one at
+  4× it with a 4× RoPE base and llama3 scaling from that context → `python -m maxctx.convert export` of its last step → transformers loads
   it, and its float32 logits at the new length equal maxctx's on the same parameters within the parity test's 1e-4."""
   hf_model, out = imported
   new_len = 4 * HF_CONTEXT
   rope_keys = {"rope_theta": 4 * THETA, "rope_scaling": True, "rope_factor": 4.0, "rope_low_freq_factor": 1.0,
                "rope_high_freq_factor": 4.0, "rope_original_context": HF_CONTEXT}
-  c = _config(tmp_path / "run", out, "run.steps=2", "checkpoint.every_steps=2", f"data.seq_len={new_len}",
-              *[f"model.{k}={v}" for k, v in rope_keys.items()])
+  # Two stages: one step at the imported context and RoPE, one at 4× the length with the new RoPE (run.stages).
+  stage2 = ", ".join([f"data.seq_len: {new_len}", *[f"model.{k}: {v}" for k, v in rope_keys.items()]])
+  c = _config(tmp_path / "run", out, "run.steps=2", "checkpoint.every_steps=2",
+              f"run.stages=[{{steps: 1}}, {{steps: 1, {stage2}}}]")
   train.run(c)
+  c = stages.stage_config(c, 2)   # the stage that made step 2
+  assert c.data.seq_len == new_len and c.model.rope_theta == 4 * THETA
   step = tmp_path / "run" / "checkpoints" / "2"
   # Export takes the RoPE settings of the run stage (run.stages) that made this many steps.
   assert params_io.steps_done(str(step)) == params_io.steps_done(str(step / "state")) == 2

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from maxctx import config, data, mesh as mesh_lib, train
+from maxctx import config, data, mesh as mesh_lib, reporter, train
 from maxctx.errors import ConfigError
 from maxctx.trainer import Trainer
 
@@ -112,8 +112,8 @@ def test_eval_during_training_logs_scalars(tmp_path):
 def test_eval_and_save_time_is_not_counted_as_step_time(tmp_path, monkeypatch):
   # A clock that jumps 1000 s during each eval and each save: no step's time (hence tokens/s and MFU) may include it.
   jump = [0.0]
-  real_clock = train.time.perf_counter
-  monkeypatch.setattr(train.time, "perf_counter", lambda: real_clock() + jump[0])
+  real_clock = reporter.time.perf_counter
+  monkeypatch.setattr(reporter.time, "perf_counter", lambda: real_clock() + jump[0])
   during_training = train.eval_sweep.during_training
 
   def slow_eval(config, mesh):

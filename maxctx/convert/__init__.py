@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from maxctx import config as config_lib
-from maxctx import hf
+from maxctx import hf, stages
 from maxctx.errors import CheckpointError, ConfigError
 
 SHARD_BYTES = 5 * 2**30
@@ -154,15 +154,6 @@ def _save_safetensors(state_dict: dict[str, np.ndarray], out_dir: pathlib.Path) 
   (out_dir / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
 
 
-def producing_config(config: config_lib.Config, done: int) -> config_lib.Config:
-  """The config of the run's stage whose steps made a state after `done` steps (run.stages): its RoPE settings and
-  length are what the exported model must compute with. A run without stages is its own config."""
-  if not getattr(config.run, "stages", ()):
-    return config
-  from maxctx import stages
-  return stages.stage_config(config, done)
-
-
 def export_hf(params_dir: str | pathlib.Path, config_path: str | pathlib.Path, hf_out_dir: str | pathlib.Path,
               overrides: list[str] | tuple[str, ...] = (), dtype: str | None = None) -> pathlib.Path:
   """Orbax params + the run's model config → a HF directory from_pretrained loads; returns that directory.
@@ -171,7 +162,8 @@ def export_hf(params_dir: str | pathlib.Path, config_path: str | pathlib.Path, h
   least that stage's data.seq_len."""
   from maxctx import params_io
 
-  config = producing_config(config_lib.load(config_path, overrides), params_io.steps_done(str(params_dir)))
+  # The stage that made the step (run.stages): its RoPE and length are what the exported model computes with.
+  config = stages.stage_config(config_lib.load(config_path, overrides), params_io.steps_done(str(params_dir)))
   model_cfg = config.model
   out = pathlib.Path(hf_out_dir)
   if out.exists() and any(out.iterdir()):

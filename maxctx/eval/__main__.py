@@ -21,7 +21,7 @@ import jax
 from maxctx import config as config_lib
 from maxctx import console
 from maxctx import mesh as mesh_lib
-from maxctx import sharding
+from maxctx import params_io, sharding, stages
 from maxctx import train as train_lib
 from maxctx.errors import ArgumentParser, exit_code
 from maxctx.eval import params as params_lib
@@ -50,11 +50,16 @@ def _parser() -> argparse.ArgumentParser:
 def run(config: config_lib.Config, plan: sweep_lib.Plan, out_dir: pathlib.Path, train: bool = False) -> list[dict]:
   devices = jax.devices()
   validate(config, len(devices), mesh_lib.num_slices_of(devices))
+  trained = config
+  # With run.stages the parameters are scored as the stage that made them computes (its RoPE, mesh and strategy):
+  # the last one after --train, else the one of checkpoint.load_params's step (an import's parameters: the first).
+  done = config.run.steps if train else params_io.steps_done(config.checkpoint.load_params or ".")
+  config = stages.stage_config(config, done)
   mesh = mesh_lib.build_mesh(config.mesh, devices)
   with jax.set_mesh(mesh):
     sweep = sweep_lib.Sweep(config, mesh, plan)  # every example is made and checked here, before compiling
   if train:
-    state = train_lib.fit(config).state
+    state = train_lib.fit(trained).state
     step = int(jax.device_get(state.step))
     if step < config.run.steps:  # preempted: scoring a half-trained model would report the wrong thing
       log.info("eval: training stopped at step %d of %d, so nothing is scored; rerun the command to continue.", step,
