@@ -72,9 +72,10 @@ def parse_args(argv=None):
 
 
 def setup_devices(context: int) -> None:
-  if os.environ.get("JAX_PLATFORMS", "cpu") == "cpu":
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={context}"
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  """Fakes `context` CPU devices for a CPU host. Only the CPU platform reads the flag, and JAX_PLATFORMS is left as
+  it is, so on a GPU or TPU host JAX still picks the accelerator (setting JAX_PLATFORMS=cpu when it was unset made
+  the first H200 check time the kernels on the host's CPU)."""
+  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={context}"
 
 
 def main(argv=None) -> list[dict]:

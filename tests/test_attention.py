@@ -383,6 +383,23 @@ def test_cudnn_kernel_wrapper_under_all_gather():
 
 # --- scripts/bench_attention.py ------------------------------------------------------------------------------------
 
+def test_bench_attention_leaves_the_platform_to_jax(monkeypatch):
+  """scripts/gpu_check.sh runs the bench with JAX_PLATFORMS unset on a GPU host; the bench must not pin it to cpu (it
+  did, and the first H200 check timed its kernels on the host's CPU) and only adds the CPU's fake-device flag."""
+  import importlib.util
+  import os
+  import pathlib
+  script = pathlib.Path(__file__).parent.parent / "scripts" / "bench_attention.py"
+  spec = importlib.util.spec_from_file_location("bench_attention_script", script)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+  monkeypatch.setenv("XLA_FLAGS", "")
+  module.setup_devices(4)
+  assert "JAX_PLATFORMS" not in os.environ
+  assert "--xla_force_host_platform_device_count=4" in os.environ["XLA_FLAGS"]
+
+
 def test_bench_attention_script_reports_every_row(tmp_path):
   """The benchmark script runs end to end at a small shape and writes one JSON row per strategy, with per-device temp
   memory and both timings (timings are never asserted; only that they were measured), or memory alone."""
