@@ -212,7 +212,7 @@ class Checkpoints:
       restore_data(step, restored[DATA].state)
       self._log_changes(step, meta)
       log.info("checkpoint: restored step %d from %s in %.1fs (saved on mesh %s, restored onto %s)", step,
-               self.step_path(step), time.perf_counter() - t, meta.get("mesh"), dict(self._mesh.shape))
+               self.step_path(step), time.perf_counter() - t, meta.get("mesh"), dict(trainer.mesh.shape))
       if self._config.checkpoint.load_params:
         log.info("checkpoint: checkpoint.load_params is not used: the run resumes its own step %d.", step)
       self.last_saved = step

@@ -53,7 +53,7 @@ def parse(value: Any, dotted: str, schema_type: Callable[[str], Any], build_reco
     if not isinstance(entry, dict):
       raise ConfigError(f"config key {where} expects a mapping (steps and the keys the stage sets), got "
                         f"{excerpt(entry)}.")
-    keys = _flat_keys(entry)
+    keys = _flat_keys(entry, where)
     if "steps" not in keys:
       raise ConfigError(f"config key {where} has no steps; give every stage the number of steps it trains, e.g. "
                         f"{{steps: 100, data.seq_len: 4096}}.")
@@ -75,25 +75,15 @@ def parse(value: Any, dotted: str, schema_type: Callable[[str], Any], build_reco
   return tuple(out)
 
 
-def _flat_keys(entry: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-  """A stage's mapping as {dotted key: value}: `data: {seq_len: 8}` and `data.seq_len: 8` alike."""
-  out = {}
+def _flat_keys(entry: dict[str, Any], where: str, prefix: str = "") -> dict[str, Any]:
+  """A stage's mapping as {dotted key: value}: `data: {seq_len: 8}` and `data.seq_len: 8` alike, but not both."""
+  out: dict[str, Any] = {}
   for k, v in entry.items():
     key = f"{prefix}{k}"
-    if isinstance(v, dict) and key not in ("steps", "reset_schedule"):
-      out.update(_flat_keys(v, key + "."))
-    else:
-      out[key] = v
-  return out
-
-
-def _flat_keys(entry: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-  """A stage's mapping as {dotted key: value}: `data: {seq_len: 8}` and `data.seq_len: 8` alike."""
-  out = {}
-  for k, v in entry.items():
-    key = f"{prefix}{k}"
-    if isinstance(v, dict) and key not in ("steps", "reset_schedule"):
-      out.update(_flat_keys(v, key + "."))
-    else:
-      out[key] = v
+    nested = isinstance(v, dict) and key not in ("steps", "reset_schedule")
+    flat = _flat_keys(v, where, key + ".") if nested else {key: v}
+    for dotted, value in flat.items():
+      if dotted in out:
+        raise ConfigError(f"config key {where} sets {dotted} twice (once dotted, once nested); keep one of them.")
+      out[dotted] = value
   return out

@@ -14,7 +14,7 @@ from typing import Any
 import jax
 
 from maxctx import stages
-from maxctx.config import Config, from_dict
+from maxctx.config import Config, from_saved
 
 from maxctx.data import STREAM_KEYS
 from maxctx.errors import CheckpointError, excerpt
@@ -35,10 +35,11 @@ CLIPS = "optim.clip_norm > 0"
 
 
 def _boundaries(config: Config | None, step: int) -> list[int]:
-  """The stage ends up to `step`: what decides which stage made each step so far."""
+  """The stage ends before `step`: what decides which stage made each step before it (the stage that made `step`
+  itself is compared by its keys, so it may be lengthened, or split at `step`, and stages appended)."""
   if config is None or not config.run.stages:
     return []
-  return [s.end for s in stages.resolve(config) if s.end <= step]
+  return [s.end for s in stages.resolve(config) if s.end < step]
 
 
 def _lookup(tree: dict[str, Any], dotted: str) -> Any:
@@ -107,13 +108,13 @@ def plan(config: Config, steps: list[int], where: Any) -> tuple[list[int], list[
 def check_compatible(config: Config, meta: dict, step: int, where: Any, step_path: Any) -> None:
   """Refuses step `step` (in `where`, at `step_path`) of another run, judged by its saved metadata: with run.stages,
   by the config of the stage that made the step, and the stage boundaries up to it."""
-  saved_config = from_dict(meta["config"]) if meta["config"].get("run", {}).get("stages") else None
+  saved_config = from_saved(meta["config"]) if meta["config"].get("run", {}).get("stages") else None
   if saved_config is not None or config.run.stages:
     before, after = _boundaries(saved_config, step), _boundaries(config, step)
     if before != after:
       raise CheckpointError(f"run.stages ends stages at steps {after or 'none'} before step {step}, but the run that "
-                            f"saved {step_path} ended them at {before or 'none'}; change only stages after step "
-                            f"{step}, or use a new run.output_dir.")
+                            f"saved {step_path} ended them at {before or 'none'}; keep the stages up to step {step} "
+                            "as they were (later ones may change), or use a new run.output_dir.")
   saved = fingerprint(stages.stage_config(saved_config, step).to_dict() if saved_config else meta["config"])
   now = fingerprint(stages.stage_config(config, step).to_dict())
   for key in now:

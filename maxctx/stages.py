@@ -11,14 +11,13 @@ stages is one stage: the config itself.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 from maxctx import attention
 from maxctx.config import Config
+from maxctx.data import GENERATED
 from maxctx.errors import ConfigError
-
-# Sources whose rows are generated from (seed, batch index, row): any number of rows continues from the batch index.
-GENERATED = ("synthetic", "passkey")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +85,8 @@ def check(config: Config) -> tuple[Stage, ...]:
     c, where = s.config, f"{s.name} (steps {s.start}–{s.end})"
     if attention.AUTO in (c.attention.strategy,) or c.model.remat == "auto":
       raise ConfigError(f"{where} leaves attention.strategy or model.remat at auto, which is planned for one length; "
-                        "name them per stage (python -m maxctx.plan CONFIG data.seq_len=N suggests them).")
+                        "name them per stage (python -m maxctx.plan CONFIG run.stages=[] data.seq_len=N suggests "
+                        "them).")
     if s.index == 0:
       continue
     before = stages[s.index - 1].config
@@ -112,3 +112,14 @@ def schedule_span(stages: tuple[Stage, ...], stage: Stage) -> tuple[int, int]:
   start = max(r for r in resets if r <= stage.start)
   end = min([r for r in resets if r > stage.start] + [stages[-1].end])
   return start, end - start
+
+
+@contextlib.contextmanager
+def named(stage: Stage, config: Config):
+  """A ConfigError raised inside names `stage` (with run.stages; a run without them is its own stage)."""
+  try:
+    yield
+  except ConfigError as e:
+    if not config.run.stages:
+      raise
+    raise ConfigError(f"{stage.name} (steps {stage.start}–{stage.end}): {e}") from None

@@ -32,6 +32,7 @@ from maxctx import distributed
 from maxctx import mesh as mesh_lib
 from maxctx import preemption as preemption_lib
 from maxctx import run_dir as run_dir_lib
+from maxctx import sharding
 from maxctx import stages as stages_lib
 from maxctx.reporter import Reporter
 from maxctx.chips import HOST_MEMORY_SHARE
@@ -83,7 +84,8 @@ def fit(config: config_lib.Config) -> Fit:
   validate(config, len(devices), mesh_lib.num_slices_of(devices))
   runs = _Stages(config, devices)
   for stage in runs.plan:
-    _check_host_memory(stage.config, dict(runs.mesh(stage).shape))
+    with stages_lib.named(stage, config):
+      _check_host_memory(stage.config, dict(runs.mesh(stage).shape))
   first = runs.plan[0]
   log.info("mesh %s on %d %s device(s)", dict(runs.mesh(first).shape), len(devices), devices[0].device_kind)
 
@@ -153,8 +155,15 @@ class _Stages:
       self.pipeline = data_lib.build(first.config, self.mesh(first))
       self.pipeline.check_first_batch()
     for stage in self.plan:
-      with jax.set_mesh(self.mesh(stage)):
+      with jax.set_mesh(self.mesh(stage)), stages_lib.named(stage, self.config):
         self._evaluators[stage.index] = eval_sweep.during_training(stage.config, self.mesh(stage))
+        rows = data_lib.local_rows(sharding.batch_sharding(self.mesh(stage)),
+                                   (stage.config.data.batch_size, stage.config.data.seq_len))
+        if stage.index and rows != self.pipeline.rows and first.config.data.source not in data_lib.GENERATED:
+          was = self.pipeline.rows
+          raise ConfigError(f"this process makes batch rows {rows[0]}–{rows[-1]} in this stage but "
+                            f"{was[0]}–{was[-1]} in the first, and each row's documents must carry over; give every "
+                            "stage the same data×fsdp split of the batch over the processes.")
 
   def _data(self, stage: stages_lib.Stage):
     """The data of `stage`: the first stage's checked pipeline, or a new one."""
@@ -181,7 +190,8 @@ class _Stages:
                stage.end, stage.config.data.seq_len, dict(mesh.shape), stage.config.attention.strategy)
     with jax.set_mesh(mesh):
       if self._carried is not None:   # entering this stage from the last one, in this process
-        state = jax.device_put(state, trainer.state_shardings)
+        # Donated: the last stage's copy is freed as this one is made, never both held for the whole stage.
+        state = jax.device_put(state, trainer.state_shardings, donate=True)
         self._data(stage).restore(self._carried, carry=True)
         self._carried = None
       state, stopped = _loop(stage, trainer, self.pipeline, self._evaluators.get(stage.index), state, start,

@@ -37,10 +37,8 @@ def validate(config: Config, num_devices: int, num_slices: int = 1, platform: st
   if config.run.stages:
     sizes = []
     for stage in stages_lib.check(config):                   # the schedule, then each stage as a run of its own
-      try:
+      with stages_lib.named(stage, config):
         sizes.append(validate(stage.config, num_devices, num_slices, platform))
-      except ConfigError as e:
-        raise ConfigError(f"{stage.name} (steps {stage.start}–{stage.end}): {e}") from None
     return sizes[0]
   data_mixture.check(config)                                 # data.source and data.mixture name one stream
   if config.model.remat == "auto":
@@ -217,8 +215,9 @@ class Trainer:
 
   def abstract_state(self) -> TrainState:
     """The train state's shapes, dtypes and shardings, without allocating it."""
+    rng = jax.random.key(0)   # made outside: the mesh may be a TPU slice's, with no device here to hold it
     with jax.set_mesh(self.mesh):
-      shapes = jax.eval_shape(self._init, jax.random.key(0))
+      shapes = jax.eval_shape(self._init, rng)
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes,
                         self.state_shardings)
 

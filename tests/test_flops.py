@@ -21,7 +21,7 @@ def test_analytic_flops_match_xla_cost_analysis():
   mesh = mesh_lib.build_mesh(c.mesh, jax.devices()[:1])
   with jax.set_mesh(mesh):
     trainer = Trainer(c, mesh)
-    state = jax.eval_shape(trainer.init, jax.random.key(0))
+    state = trainer.abstract_state()
     batch = {k: jax.ShapeDtypeStruct((B, T), jnp.int32) for k in ("tokens", "targets", "segment_ids", "positions")}
     xla_flops = trainer.step.lower(state, batch).compile().cost_analysis()["flops"]
   analytic = metrics.flops_per_step(c.model, B, T)

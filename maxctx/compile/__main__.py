@@ -18,7 +18,7 @@ import pathlib
 import sys
 
 from maxctx import console
-from maxctx import resume_match, stages
+from maxctx import resume_match, stages, topology
 from maxctx.compile import step as compile_step
 from maxctx.compile.report import format_report
 from maxctx.plan import auto as plan_auto
@@ -59,7 +59,10 @@ def main(argv: list[str] | None = None) -> int:
     config = compile_step.load(args.config, args.overrides)
     if config.run.stages:   # each stage is its own step: its length, mesh, strategy and remat
       reports = []
-      for stage in stages.check(config):
+      topo = topology.resolve(config.compile.topology)
+      slices = config.compile.num_slices   # every stage checked before any compiles
+      compile_step.validate_for_tpu(config, topo.devices * slices, slices)
+      for stage in stages.resolve(config):
         log.info("compiling %s (%s, %d tokens) for %s ...", args.config, stage.name, stage.config.data.seq_len,
                  config.compile.topology)
         reports.append(compile_step.compile_for(stage.config))

@@ -39,6 +39,8 @@ from maxctx.errors import CheckpointError
 log = logging.getLogger("maxctx.data")
 
 STATE_VERSION = 1
+# Sources whose rows are made from (seed, batch index, row): every row is at the same batch index.
+GENERATED = ("synthetic", "passkey")
 # The keys that decide the stream of rows (a resumed run must share them: maxctx.resume_match). Not the mesh: the
 # layout is applied to each batch as it is made, and rows do not depend on which process makes them.
 STREAM_KEYS = ("data.source", "data.path", "data.seq_len", "data.batch_size", "data.tokenizer", "data.text_field",
@@ -149,7 +151,7 @@ class Pipeline(Iterator[dict[str, jax.Array]]):
       raise CheckpointError(f"the data iterator state has version {state.get('version')}, this maxctx reads "
                             f"{STATE_VERSION}; resume with the maxctx that saved it or set checkpoint.resume=never.")
     if carry:
-      state = _carried(state, self.rows)
+      state = _carried(state, self.rows, self._config.data.source in GENERATED)
     saved, now = state["config"], self._fingerprint()
     for k in now:
       # A key an older state did not keep was checked against the checkpoint's config already (resume_match); a
@@ -174,7 +176,7 @@ class Pipeline(Iterator[dict[str, jax.Array]]):
       self._source_tokens[:] = 0
 
 
-def _carried(state: dict, rows: Sequence[int]) -> dict:
+def _carried(state: dict, rows: Sequence[int], generated: bool) -> dict:
   """The previous stage's state as a starting point for this stage: each row's packer restarts at its cursor (no
   sequence of the old length is left to send), a mixture's per-source pair counts restart at 0, and a generated
   source's rows (all at the same batch index) give any new row their index."""
@@ -188,11 +190,17 @@ def _carried(state: dict, rows: Sequence[int]) -> dict:
       cursor = s.get("next", {"parent": s["parent"], "offset": s["offset"]})
       parent = cursor["parent"]
       if isinstance(parent, dict) and "taken" in parent:           # a mixture's
-        parent = {**parent, "taken": [0] * len(parent["taken"])}
+        # Counts restart; the document in progress is read again from its own source, then the weights choose.
+        parent = {**parent, "taken": [0] * len(parent["taken"]), "first": cursor.get("source")}
       return {"parent": parent, "offset": cursor["offset"], "emitted": 0}
     return s
 
   any_row = next(iter(by_row.values()))
+  missing = [r for r in rows if str(r) not in by_row]
+  if missing and not generated:
+    raise CheckpointError(f"this process makes rows {_ranges(missing)} in this stage but the last stage's data state "
+                          "holds none of them; keep the rows each process makes (the same data×fsdp split of the "
+                          "batch) from one stage to the next.")
   out = {str(r): carry(by_row.get(str(r), any_row)) for r in rows}
   return {**state, "rows": list(rows), "iterator": {"by_row": out}}
 

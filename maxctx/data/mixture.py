@@ -87,9 +87,12 @@ class _MixIterator(grain.DatasetIterator):
     super().__init__(list(parents))
     self._shares, self._seq_len = tuple(shares), seq_len
     self._taken = [0] * len(parents)
+    self._first: int | None = None   # a source the next pick must take (a stage continuing a document in progress)
 
   def __next__(self) -> tuple[np.ndarray, int]:
     i = min(range(len(self._shares)), key=lambda j: self._taken[j] / self._shares[j])
+    if self._first is not None:
+      i, self._first = self._first, None
     doc = next(self._parents[i])
     pairs = max(len(doc) - 1, 0)
     # What the packer will use of it: long_documents=truncate keeps one sequence's worth.
@@ -97,12 +100,16 @@ class _MixIterator(grain.DatasetIterator):
     return doc, i
 
   def get_state(self) -> dict[str, Any]:
-    return {"parents": [p.get_state() for p in self._parents], "taken": list(self._taken)}
+    out = {"parents": [p.get_state() for p in self._parents], "taken": list(self._taken)}
+    if self._first is not None:
+      out["first"] = self._first
+    return out
 
   def set_state(self, state: dict[str, Any]) -> None:
     for p, s in zip(self._parents, state["parents"], strict=True):
       p.set_state(s)
     self._taken = [int(t) for t in state["taken"]]
+    self._first = state.get("first")
 
 
 class MixIterDataset(grain.IterDataset):

@@ -176,9 +176,16 @@ class _PackIterator(grain.DatasetIterator):
     # continues (maxctx.data.Pipeline.restore, carry=True), leaving the round's unsent sequences unused.
     cursor = (self._doc_state, self._offset) if self._doc is not None else (self._parent.get_state(), 0)
     if self._emitted == len(self._round):  # Between rounds
-      return {"parent": cursor[0], "offset": cursor[1], "emitted": 0}
+      return {"parent": cursor[0], "offset": cursor[1], "emitted": 0, "next": self._cursor(cursor)}
     return {"parent": self._round_start[0], "offset": self._round_start[1], "emitted": self._emitted,
-            "next": {"parent": cursor[0], "offset": cursor[1]}}
+            "next": self._cursor(cursor)}
+
+  def _cursor(self, cursor) -> dict[str, Any]:
+    # With a mixture, the source of the document in progress: re-reading it must not pick another source.
+    out = {"parent": cursor[0], "offset": cursor[1]}
+    if self._sources and self._doc is not None:
+      out["source"] = self._source
+    return out
 
   def set_state(self, state: dict[str, Any]) -> None:
     self._parent.set_state(state["parent"])

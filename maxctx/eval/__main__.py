@@ -49,11 +49,12 @@ def _parser() -> argparse.ArgumentParser:
 
 def run(config: config_lib.Config, plan: sweep_lib.Plan, out_dir: pathlib.Path, train: bool = False) -> list[dict]:
   devices = jax.devices()
-  validate(config, len(devices), mesh_lib.num_slices_of(devices))
   trained = config
   # With run.stages the parameters are scored as the stage that made them computes (its RoPE, mesh and strategy):
   # the last one after --train, else the one of checkpoint.load_params's step (an import's parameters: the first).
+  # Only that stage must suit these devices; --train checks every stage as maxctx.train does.
   done = config.run.steps if train else params_io.steps_done(config.checkpoint.load_params or ".")
+  validate(config if train else stages.stage_config(config, done), len(devices), mesh_lib.num_slices_of(devices))
   config = stages.stage_config(config, done)
   mesh = mesh_lib.build_mesh(config.mesh, devices)
   with jax.set_mesh(mesh):
