@@ -105,7 +105,9 @@ class MixtureSource:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-  source: Literal["synthetic", "passkey", "stdlib", "text", "jsonl", "arrayrecord", "tfds", "mixture"]
+  source: Literal["synthetic", "passkey", "task", "stdlib", "text", "jsonl", "arrayrecord", "tfds", "mixture"]
+  task: str
+  task_min_len: int = rules(at_least(0, "0 makes one example of data.seq_len tokens per row"))
   seq_len: int = rules(at_least(2, "a sequence needs at least 2 tokens (an input and its target)"))
   batch_size: int = rules(at_least(1))
   path: str

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from maxctx import config as config_lib, mesh as mesh_lib, train
-from maxctx.data import passkey, tasks
+from maxctx.data import task_rows, tasks
 from maxctx.data.dataset import tokenizer_for
 from maxctx.eval import sweep
 
@@ -29,7 +29,7 @@ def pieces():
 def test_training_rows_put_the_answer_where_the_eval_asks_for_it(pieces, seq_len):
   question = pieces(tasks.TASKS["passkey"](np.random.default_rng(0), pieces).question)
   for r in range(8):
-    row = passkey.row(pieces, 0, 3, r, seq_len)
+    row = task_rows.row("passkey", pieces, 0, 3, r, seq_len)
     e = tasks.generate("passkey", pieces, seq_len, float(r) / 7, r)  # what the eval scores at this length
     a, q = len(e.answer), len(question)
     assert len(e.prompt) + a == seq_len

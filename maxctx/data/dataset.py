@@ -22,7 +22,7 @@ import numpy as np
 
 from maxctx.attention import layout
 from maxctx.config import Config
-from maxctx.data import mixture, packing, passkey, sources, synthetic, tasks, tokenizers
+from maxctx.data import mixture, packing, sources, synthetic, task_rows, tasks, tokenizers
 from maxctx.errors import ConfigError, DataError
 
 log = logging.getLogger("maxctx.data")
@@ -171,13 +171,24 @@ def _rows_of_synthetic(config: Config, rows: Sequence[int]) -> list[grain.IterDa
   return [steps.map(lambda i, r=r: synthetic.row(seed, i, r, d.seq_len, vocab)).to_iter_dataset(_READ) for r in rows]
 
 
-def _rows_of_passkey(config: Config, rows: Sequence[int]) -> list[grain.IterDataset]:
-  # Generated passkey retrieval rows (the passkey demo): the eval's own examples at the training length.
+def _rows_of_task(config: Config, rows: Sequence[int]) -> list[grain.IterDataset]:
+  # Generated task rows (the demos): the eval's own examples at the training length.
   pieces = tasks.Pieces(tokenizer_for(config, writes_text=True))
   d, seed = config.data, config.run.seed
-  tasks.generate("passkey", pieces, d.seq_len, 0.0, 0)  # refuses a data.seq_len too short for one, before compiling
+  task = d.task if d.source == "task" else "passkey"
+  tasks.check_tasks([task], "data.task")
+  tasks.generate(task, pieces, d.seq_len, 0.0, 0)  # refuses a data.seq_len too short for one, before compiling
+  min_len = d.task_min_len if d.source == "task" else 0
+  if min_len:
+    if min_len > d.seq_len:
+      raise ConfigError(f"data.task_min_len is {min_len} but data.seq_len is {d.seq_len}; set data.task_min_len to at "
+                        f"most the sequence length (0 makes one example per row).")
+    try:
+      tasks.generate(task, pieces, min_len, 0.0, 0)
+    except ConfigError as e:
+      raise ConfigError(f"data.task_min_len {min_len} is too short: {e}") from None
   steps = grain.MapDataset.range(1 << 62)
-  return [steps.map(lambda i, r=r: passkey.row(pieces, seed, i, r, d.seq_len)).to_iter_dataset(_READ)
+  return [steps.map(lambda i, r=r: task_rows.row(task, pieces, seed, i, r, d.seq_len, min_len)).to_iter_dataset(_READ)
           for r in rows]
 
 
@@ -201,8 +212,8 @@ def local_dataset(config: Config, rows: Sequence[int], context: int) -> tuple[gr
   d = config.data
   if d.source == "synthetic":
     streams, bad = _rows_of_synthetic(config, rows), None
-  elif d.source == "passkey":
-    streams, bad = _rows_of_passkey(config, rows), None
+  elif d.source in ("passkey", "task"):
+    streams, bad = _rows_of_task(config, rows), None
   elif d.source == "mixture":
     streams, bads = _rows_of_mixture(config, tokenizer_for(config), rows)
     bad = _Skipped(bads)

@@ -15,6 +15,8 @@ every part of the answer (a task is never unanswerable, whatever the tokenizer d
 Examples are a pure function of (task, seed, length, depth, index) and the tokenizer: same inputs, same tokens.
 
   passkey            a 5-digit number in repeated filler (Mohtashami & Jaggi's passkey retrieval)
+  passkey_short      "The pass key=K." with K five different digits, no header, and the question "The pass key=": at
+                     128 tokens most of the context is filler, so the needle has ~100 places (the extension demo's task)
   niah_single        one "special magic number" for a key word
   niah_multikey      four key–value needles with different keys; the question asks for one
   niah_multivalue    four values for the same key; the answer is all of them, in order of appearance
@@ -125,6 +127,15 @@ def _passkey(rng, pieces) -> _Spec:
                "What is the pass key? The pass key is", key, (key,))
 
 
+def _passkey_short(rng, pieces) -> _Spec:
+  # Five different digits: each answer token follows a token that occurs once in the needle, so it has one place to
+  # be copied from (a small model learns that in far fewer steps than the order of repeated digits).
+  digits = rng.permutation(10)
+  digits = digits[:5] if digits[0] else digits[1:6]
+  key = "".join(map(str, digits))
+  return _Spec("", [f"The pass key={key}."], "The pass key=", key, (key,))
+
+
 def _niah_single(rng, pieces) -> _Spec:
   word, value = pieces.words[rng.integers(len(pieces.words))], _number(rng, 7)
   return _Spec(NIAH_HEADER, [f"One of the special magic numbers for {word} is: {value}."],
@@ -179,6 +190,7 @@ def _variable_tracking(rng, pieces, hops: int = 4) -> _Spec:
 
 TASKS: dict[str, Callable[[np.random.Generator, Pieces], _Spec]] = {
     "passkey": _passkey,
+    "passkey_short": _passkey_short,
     "niah_single": _niah_single,
     "niah_multikey": _niah_multikey,
     "niah_multivalue": _niah_multivalue,
@@ -214,7 +226,7 @@ def generate(task: str, pieces: Pieces, length: int, depth: float, index: int, s
                    answer=np.asarray(p.answer, np.int32), answer_text=p.answer_text, parts=p.parts,
                    context_start=len(p.head), context_len=len(p.context), spans=_spans(pieces, p.answer, p.parts))
   spec = TASKS[task](rng, pieces)
-  head = pieces.bos + pieces(spec.header)
+  head = pieces.bos + (pieces(spec.header) if spec.header else [])
   question = pieces(spec.question)
   needles = [pieces(n) for n in spec.needles]
   # The answer's length must be known before the context is sized; for answers listed in order of appearance the

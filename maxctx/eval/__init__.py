@@ -7,7 +7,7 @@ needle depth, scored by teacher forcing with the run's context-parallel strategy
   report.py         eval.jsonl, eval.md and depth × length heatmaps
   params.py         parameters from checkpoint.load_params
 
-The tasks themselves are generated data (maxctx.data.tasks; the demo's training rows, maxctx.data.passkey), so the
+The tasks themselves are generated data (maxctx.data.tasks; the demos' training rows, maxctx.data.task_rows), so the
 data pipeline and the eval both take them from below.
 
 `python -m maxctx.eval CONFIG [key=value ...] --tasks passkey --lengths 1k,4k --depths 0,0.5,1 --samples 8`
