@@ -43,9 +43,9 @@ STATE_VERSION = 1
 GENERATED = ("synthetic", "passkey", "task")
 # The keys that decide the stream of rows (a resumed run must share them: maxctx.resume_match). Not the mesh: the
 # layout is applied to each batch as it is made, and rows do not depend on which process makes them.
-STREAM_KEYS = ("data.source", "data.task", "data.task_min_len", "data.path", "data.seq_len", "data.batch_size", "data.tokenizer", "data.text_field",
-               "data.text_separator", "data.packing", "data.long_documents", "data.shuffle", "data.num_workers",
-               "data.mixture", "data.long_threshold", "data.long_weight", "run.seed")
+STREAM_KEYS = ("data.source", "data.task", "data.task_min_len", "data.path", "data.seq_len", "data.batch_size",
+               "data.tokenizer", "data.text_field", "data.text_separator", "data.packing", "data.long_documents",
+               "data.shuffle", "data.num_workers", "data.mixture", "data.long_threshold", "data.long_weight", "run.seed")
 
 
 def local_rows(batch_sharding: NamedSharding, shape: tuple[int, int]) -> list[int]:

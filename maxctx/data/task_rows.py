@@ -5,6 +5,9 @@ A row is the example the eval scores at the training length: exactly seq_len tok
 maxctx.data.tasks with the needle at a uniformly random depth), so its seq_len − 1 (token, target) pairs fill the row
 and its last slot is padding. Built at any other length, every answer would sit one or more positions away from where
 the eval asks for it, and a small model, which learns where to look as much as what to look for, then scores nothing.
+With `data.task_min_len` a row instead packs several such examples, of lengths drawn log-uniformly from that minimum up
+(the last one takes the rest), each its own document with positions from 0, so short examples, where the needle is
+near the question, teach retrieval before long ones need it (the extension demo learned none without them).
 
 Row r of batch i is a pure function of (seed, i, r) like maxctx.data.synthetic's rows, so a process makes only its rows
 and resuming reproduces the data; a stage that changes data.seq_len makes rows at its own length from the next batch
