@@ -55,6 +55,8 @@ def test_one_example_per_row_without_task_min_len(pieces):
     (["data.task_min_len=20"], "data.task_min_len 20 is too short: task passkey_short needs at least 27 tokens"),
     (["data.task_min_len=200"], "data.task_min_len is 200 but data.seq_len is 128"),
     (["data.task=passkey_long"], "data.task names task 'passkey_long', which does not exist; did you mean"),
+    (["data.source=passkey"], "data.source is passkey, which ignores data.task \\(passkey_short\\) and "
+                              "data.task_min_len \\(27\\); set data.source: task"),
 ])
 def test_bad_task_settings_are_refused_in_one_sentence(overrides, message):
   c = config_lib.load(CONFIG, overrides)

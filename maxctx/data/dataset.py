@@ -175,6 +175,9 @@ def _rows_of_task(config: Config, rows: Sequence[int]) -> list[grain.IterDataset
   # Generated task rows (the demos): the eval's own examples at the training length.
   pieces = tasks.Pieces(tokenizer_for(config, writes_text=True))
   d, seed = config.data, config.run.seed
+  if d.source == "passkey" and (d.task != "passkey" or d.task_min_len):
+    raise ConfigError(f"data.source is passkey, which ignores data.task ({d.task}) and data.task_min_len "
+                      f"({d.task_min_len}); set data.source: task to train on them.")
   task = d.task if d.source == "task" else "passkey"
   tasks.check_tasks([task], "data.task")
   tasks.generate(task, pieces, d.seq_len, 0.0, 0)  # refuses a data.seq_len too short for one, before compiling
