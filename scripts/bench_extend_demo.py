@@ -14,42 +14,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
 import subprocess
-import sys
 import tempfile
-import time
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+from bench_passkey_demo import ROOT, run_logged, sweep_accuracy  # scripts/ is on sys.path when run as a script
+
 CONFIG = "configs/demo-extend.yml"
 
 
-def stage_accuracy(eval_dir: pathlib.Path) -> dict[int, float]:
-  """Accuracy per length of one stage's sweep (eval.jsonl)."""
-  cells: dict[int, list[bool]] = {}
-  for line in (eval_dir / "eval.jsonl").read_text().splitlines():
-    r = json.loads(line)
-    cells.setdefault(r["length"], []).append(r["correct"])
-  return {n: sum(v) / len(v) for n, v in sorted(cells.items())}
-
-
 def run_one(seed: int, out: pathlib.Path, overrides: list[str]) -> dict:
-  args = [sys.executable, "-m", "maxctx.train", CONFIG, f"run.seed={seed}", f"run.output_dir={out}", *overrides]
-  env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu", **os.environ,
-         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-  out.mkdir(parents=True, exist_ok=True)
-  log = out.parent / f"{out.name}.log"
-  load_before = os.getloadavg()[0]
-  start = time.perf_counter()
-  with open(log, "w") as f:
-    code = subprocess.run(args, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
-  wall = time.perf_counter() - start
-  if code:
-    sys.exit(f"seed {seed}: {' '.join(args[1:])} exited {code}:\n{log.read_text()[-3000:]}")
+  row = run_logged(["-m", "maxctx.train", CONFIG, f"run.seed={seed}", f"run.output_dir={out}", *overrides], seed, out)
   stages = sorted((out / "eval").glob("stage-*"), key=lambda p: int(p.name.split("-")[1]))
-  return {"seed": seed, "wall_s": wall, "load_before": load_before, "load_after": os.getloadavg()[0],
-          "stages": [stage_accuracy(p) for p in stages]}
+  return {**row, "stages": [sweep_accuracy(p) for p in stages]}
 
 
 def main() -> None:

@@ -35,7 +35,8 @@ def _scalars(logdir: pathlib.Path, tag: str) -> list[tuple[int, float]]:
   return [(e.step, e.value) for e in acc.Scalars(tag)] if tag in acc.Tags()["scalars"] else []
 
 
-def _final_sweep(eval_dir: pathlib.Path) -> dict[int, float]:
+def sweep_accuracy(eval_dir: pathlib.Path) -> dict[int, float]:
+  """Accuracy per length of the sweep written to eval_dir/eval.jsonl (scripts/bench_extend_demo.py uses it too)."""
   cells: dict[int, list[bool]] = {}
   for line in (eval_dir / "eval.jsonl").read_text().splitlines():
     r = json.loads(line)
@@ -43,10 +44,9 @@ def _final_sweep(eval_dir: pathlib.Path) -> dict[int, float]:
   return {n: sum(v) / len(v) for n, v in sorted(cells.items())}
 
 
-def run_one(command: str, seed: int, out: pathlib.Path, overrides: list[str]) -> dict:
-  args = [sys.executable, "-m", f"maxctx.{command}", CONFIG, f"run.seed={seed}", f"run.output_dir={out}", *overrides]
-  if command == "eval":
-    args += ["--train", *SWEEP]
+def run_logged(args: list[str], seed: int, out: pathlib.Path) -> dict:
+  """Runs `python <args>` from the repository on 8 fake CPU devices (unless XLA_FLAGS says otherwise), its output in
+  out.parent/<out.name>.log; exits with the log's tail if it fails. Returns the seed, wall time and load around it."""
   env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu", **os.environ,
          "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
   out.mkdir(parents=True, exist_ok=True)
@@ -54,14 +54,21 @@ def run_one(command: str, seed: int, out: pathlib.Path, overrides: list[str]) ->
   load_before = os.getloadavg()[0]
   start = time.perf_counter()
   with open(log, "w") as f:
-    code = subprocess.run(args, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
+    code = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
   wall = time.perf_counter() - start
   if code:
-    sys.exit(f"seed {seed}: {' '.join(args[1:])} exited {code}:\n{log.read_text()[-3000:]}")
-  row = {"seed": seed, "wall_s": wall, "load_before": load_before, "load_after": os.getloadavg()[0],
-         "during": _scalars(out / "tensorboard", "eval/passkey/128")}
+    sys.exit(f"seed {seed}: {' '.join(args)} exited {code}:\n{log.read_text()[-3000:]}")
+  return {"seed": seed, "wall_s": wall, "load_before": load_before, "load_after": os.getloadavg()[0]}
+
+
+def run_one(command: str, seed: int, out: pathlib.Path, overrides: list[str]) -> dict:
+  args = ["-m", f"maxctx.{command}", CONFIG, f"run.seed={seed}", f"run.output_dir={out}", *overrides]
   if command == "eval":
-    row["final"] = _final_sweep(out / "eval")
+    args += ["--train", *SWEEP]
+  row = run_logged(args, seed, out)
+  row["during"] = _scalars(out / "tensorboard", "eval/passkey/128")
+  if command == "eval":
+    row["final"] = sweep_accuracy(out / "eval")
   return row
 
 
