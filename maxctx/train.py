@@ -36,8 +36,8 @@ from maxctx import sharding
 from maxctx import stages as stages_lib
 from maxctx.reporter import Reporter
 from maxctx.chips import HOST_MEMORY_SHARE
-from maxctx.eval import report as eval_report
-from maxctx.eval import sweep as eval_sweep
+from maxctx.scoring import report as eval_report
+from maxctx.scoring import sweep as eval_sweep
 from maxctx.errors import ArgumentParser, ConfigError, exit_code
 from maxctx.trainer import Trainer, TrainState, offloaded_bytes_per_device, validate
 

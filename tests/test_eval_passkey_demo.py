@@ -17,7 +17,7 @@ import pytest
 from maxctx import config as config_lib, mesh as mesh_lib, train
 from maxctx.data import task_rows, tasks
 from maxctx.data.dataset import tokenizer_for
-from maxctx.eval import sweep
+from maxctx.scoring import sweep
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ from maxctx import config, mesh as mesh_lib
 from maxctx.data import tokenizers
 from maxctx.eval import params as params_lib
 from maxctx.data import tasks
-from maxctx.eval import report, scoring, sweep
+from maxctx.scoring import forward as scoring, report, sweep
 from maxctx import trainer as trainer_lib
 from maxctx.trainer import build_model
 

@@ -11,7 +11,7 @@ from maxctx.data import tokenizers
 from maxctx.errors import ConfigError, DataError
 from maxctx.data import tasks
 from maxctx import lengths
-from maxctx.eval import local, sweep
+from maxctx.scoring import local, sweep
 
 
 @pytest.fixture(scope="module", params=["sentencepiece", "tiktoken"])

@@ -20,9 +20,9 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "maxctx"
 # The training path: `python -m maxctx.train` and what it stands on.
 CORE = ("maxctx.train", "maxctx.trainer", "maxctx.checkpoint", "maxctx.data", "maxctx.model", "maxctx.attention",
-        "maxctx.config", "maxctx.mesh", "maxctx.sharding")
-# The eval library (tasks, scoring, the sweep a run evaluates with) is below the tools; its command is not.
-TOOLS = ("maxctx.eval.__main__", "maxctx.bench", "maxctx.compile", "maxctx.plan", "maxctx.launch", "maxctx.convert",
+        "maxctx.config", "maxctx.mesh", "maxctx.sharding", "maxctx.scoring")
+# The scoring library (the sweep a run evaluates with) is core; the eval command, all of maxctx.eval, is a tool.
+TOOLS = ("maxctx.eval", "maxctx.bench", "maxctx.compile", "maxctx.plan", "maxctx.launch", "maxctx.convert",
          "maxctx.train_tokenizer")
 # The tools' own order, lowest first: bench compiles with the compile library; the planner measures and compiles with
 # bench; the launcher asks the compile library whether a step fits. Their entry points stand above all of them
@@ -107,7 +107,7 @@ def test_core_imports_no_tool(core):
 
 
 def test_no_library_imports_a_tool():
-  # The modules beside the core (metrics, chips, topology, the eval library, ...) are below the tools too.
+  # The modules beside the core (metrics, chips, topology, the scoring library, ...) are below the tools too.
   bad = sorted(f"{m} imports {t}" for m in GRAPH if not within(m, TOOLS) for t in GRAPH[m]
                if within(t, TOOLS) and (m, t) not in DEFERRED)
   assert not bad, "; ".join(bad)

@@ -25,7 +25,7 @@ from maxctx import params_io, sharding, stages
 from maxctx import train as train_lib
 from maxctx.errors import ArgumentParser, exit_code
 from maxctx.eval import params as params_lib
-from maxctx.eval import report, sweep as sweep_lib
+from maxctx.scoring import report, sweep as sweep_lib
 from maxctx.trainer import validate
 
 log = logging.getLogger("maxctx.eval")

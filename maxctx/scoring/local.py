@@ -3,7 +3,7 @@
 Each record is scored like a generated example: the prompt is `[BOS] context question`, the answer follows, and the
 model reads both in one pass. `answer` may be a string or a list of acceptable strings (LongBench's `answers`); a list
 is scored on its first entry, since teacher forcing needs one token sequence. A record's task name is its file's stem,
-its length the tokens it really has (rows are padded to a shared size, see scoring.Scorer.seq_len_for), its depth -1.
+its length the tokens it really has (rows are padded to a shared size, see forward.Scorer.seq_len_for), its depth -1.
 """
 
 from __future__ import annotations

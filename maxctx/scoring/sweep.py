@@ -18,7 +18,7 @@ from maxctx.config import Config
 from maxctx.errors import ConfigError
 from maxctx.data import tasks
 from maxctx.data.dataset import tokenizer_for
-from maxctx.eval import local, scoring
+from maxctx.scoring import forward, local
 from maxctx.lengths import parse_lengths
 
 log = logging.getLogger("maxctx.eval")
@@ -81,12 +81,12 @@ class Plan:
 class Sweep:
   """The examples of a plan for a run, and the scorer that runs them on the run's mesh."""
 
-  def __init__(self, config: Config, mesh: Mesh, plan: Plan, scorer: scoring.Scorer | None = None):
+  def __init__(self, config: Config, mesh: Mesh, plan: Plan, scorer: forward.Scorer | None = None):
     self.config, self.plan = config, plan
     self.tokenizer = tokenizer_for(config, writes_text=True)
     pieces = tasks.Pieces(self.tokenizer)
     # Sweeps of one run can share a scorer, and with it the compiled forward of each length.
-    self.scorer = scorer or scoring.Scorer(config, mesh, rows=plan.batch_size)
+    self.scorer = scorer or forward.Scorer(config, mesh, rows=plan.batch_size)
     for n in plan.lengths:
       self.scorer.seq_len_for(n, exact=True)  # refuses lengths the context axis cannot split
     self.examples = tasks.sweep(plan.tasks, plan.lengths, plan.depths, plan.samples, pieces, plan.seed)
